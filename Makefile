@@ -1,0 +1,47 @@
+# r3090d: `make demo` runs the daemon on a real CPU vLLM; `make test` runs every test tier.
+PYTHON ?= python3
+PYTEST ?= $(PYTHON) -m pytest
+DEV_STAMP := build/.dev-installed
+PREFIX ?= /opt/r3090d
+
+.PHONY: help dev demo test test-fast test-e2e bench lint install uninstall clean
+
+help:
+	@echo "make demo       the daemon in the foreground, supervising a real vLLM on CPU (no GPU needed)"
+	@echo "make test       every test tier: unit, component, real systemd, real vLLM on CPU"
+	@echo "make test-fast  unit and component tests only"
+	@echo "make bench      benchmarks that print numbers"
+	@echo "make lint       ruff"
+	@echo "make install    the service: user r3090, venv in $(PREFIX), units and config (root)"
+
+include mk/engine.mk
+include mk/install.mk
+
+$(DEV_STAMP): pyproject.toml
+	@echo "dev: installing r3090d with its test extras"
+	@$(PYTHON) -m pip install -q -e '.[test,bench,plot]'
+	@mkdir -p build && touch $@
+
+dev: $(DEV_STAMP)
+
+demo: $(DEV_STAMP) engine tiny-model
+	@echo "demo: starting r3090d in the foreground; Ctrl-C stops everything"
+	$(PYTHON) -m r3090d --config etc/demo.toml
+
+test: $(DEV_STAMP) engine tiny-model
+	$(PYTEST) tests -q
+
+test-fast: $(DEV_STAMP)
+	$(PYTEST) tests/unit tests/component -q
+
+test-e2e: $(DEV_STAMP) engine tiny-model
+	$(PYTEST) tests/e2e -q
+
+bench: $(DEV_STAMP)
+	@for b in bench/bench_*.py; do echo "== $$b"; $(PYTHON) $$b || exit 1; done
+
+lint: $(DEV_STAMP)
+	$(PYTHON) -m ruff check r3090d tests bench scripts
+
+clean:
+	rm -rf build .pytest_cache

@@ -1,0 +1,3 @@
+from r3090d.cli import daemon_main
+
+daemon_main()

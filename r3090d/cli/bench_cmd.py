@@ -1,0 +1,334 @@
+"""`r3090ctl bench`: streaming latency and throughput across concurrency levels.
+
+Exit codes: 0 every measured request succeeded; 1 the run finished but some
+requests failed (the reasons are in the output); 64 bad input (options, wrong
+model, rejected API key, missing matplotlib for --plot); 69 the engine cannot
+be reached or does not serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+
+import click
+
+from r3090d import exitcodes, loadgen
+from r3090d.cli.common import UsageExit, config_option, ctl, instance_option
+from r3090d.plan import GB
+
+EX_UNAVAILABLE = loadgen.EX_UNAVAILABLE
+
+
+class BenchExit(click.ClickException):
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def show(self, file=None) -> None:
+        click.echo(f"r3090ctl bench: {self.message}", err=True)
+
+
+def _levels(ctx, param, value):
+    try:
+        return loadgen.parse_levels(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _check_plot_backend(path: str | None) -> None:
+    if not path:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BenchExit("--plot needs matplotlib: pip install 'r3090d[plot]'", exitcodes.USAGE) from None
+
+
+def tpot_floor(model_dir: str | None, bandwidth_gbs: float | None, card: str | None, gpu_index: int) -> dict | None:
+    """The plan's TPOT floor for MBU, or None (with a note on stderr) when an input is missing."""
+    if not model_dir:
+        return None
+    from r3090d import plan as planmod
+    from r3090d.cli import plan_cmd
+
+    model = plan_cmd.read_model(model_dir)
+    if model.measured_weight_bytes:
+        weight_bytes, source = model.measured_weight_bytes, model.weight_note
+    else:
+        try:
+            est = planmod.estimate_weights(model.shape)
+        except planmod.PlanError as exc:
+            click.echo(f"r3090ctl bench: no MBU: {exc}", err=True)
+            return None
+        weight_bytes, source = est.bytes, est.assumption
+    try:
+        hardware = plan_cmd.resolve_hardware(None, bandwidth_gbs, need_memory=False, card=card, gpu_index=gpu_index)
+    except click.UsageError as exc:
+        click.echo(f"r3090ctl bench: no MBU: {exc.message}", err=True)
+        return None
+    floor = planmod.tpot_floor_s(weight_bytes, hardware.bandwidth_bytes_per_s)
+    return {
+        "weight_bytes": weight_bytes,
+        "weights_source": source,
+        "bandwidth_bytes_per_s": hardware.bandwidth_bytes_per_s,
+        "bandwidth_source": hardware.source,
+        "tpot_floor_s": floor,
+    }
+
+
+def server_itl_reader(url: str, model: str):
+    """A function returning vLLM's ITL histogram (sum, count) now, or None if /metrics is unreadable."""
+    import requests
+
+    from r3090d.probes import engine as engine_probe
+
+    session = requests.Session()
+
+    def read() -> tuple[float, float] | None:
+        text, _why = engine_probe.fetch_metrics(session, url, 5.0)
+        if text is None:
+            return None
+        sample = engine_probe.parse(text, model)
+        if sample.itl_sum is None or sample.itl_count is None:
+            return None
+        return sample.itl_sum, sample.itl_count
+
+    return read
+
+
+class Progress:
+    """One line on stderr: level, round, requests done / total, failures."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.failed = total, 0, 0
+        self.enabled = enabled
+        self.stage = "warmup"
+        self.last_draw = 0.0
+
+    def level(self, concurrency: int, round_index: int) -> None:
+        self.stage = f"c={concurrency} round {round_index + 1}"
+        self.draw(force=True)
+
+    def request_done(self, result: loadgen.RequestResult) -> None:
+        self.done += 1
+        self.failed += not result.ok
+        self.draw()
+
+    def draw(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not force and now - self.last_draw < 0.1 and self.done < self.total):
+            return
+        self.last_draw = now
+        width = 30
+        filled = int(width * self.done / max(self.total, 1))
+        bar = "#" * filled + "-" * (width - filled)
+        fail = f" {self.failed} failed" if self.failed else ""
+        sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {self.stage:<18}{fail}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.draw(force=True)
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+def render(result: dict) -> None:
+    echo = click.echo
+    t = result["target"]
+    echo(
+        f"{t['url']}{'/v1/chat/completions' if t['chat'] else '/v1/completions'}  model {t['model']}  "
+        f"max_tokens {t['max_tokens']}  ignore_eos {t['ignore_eos']}  prompt ~{result['plan']['prompt_words']} words"
+    )
+    echo(f"{result['plan']['rounds']} round(s) per level, median shown; warmup {result['plan']['warmup']} request(s)")
+    floor = result.get("floor")
+    if floor and floor.get("tpot_floor_s"):
+        echo(f"TPOT floor {floor['tpot_floor_s'] * 1000:.2f} ms = {floor['weight_bytes'] / GB:.2f} GB / {floor['bandwidth_bytes_per_s'] / GB:.0f} GB/s")
+    head = ["conc", "ok", "fail", "TTFT p50", "p99", "TPOT mean", "p50", "p90", "p99", "ITL p50", "p99", "out tok/s", "req/s", "MBU", "vLLM ITL"]
+    rows = []
+    for lv in result["levels"]:
+        rows.append([
+            str(lv["concurrency"]), str(lv["completed"]), str(lv["failed"]),
+            _ms(lv["ttft"]["p50"]), _ms(lv["ttft"]["p99"]),
+            _ms(lv["tpot"]["mean"]), _ms(lv["tpot"]["p50"]), _ms(lv["tpot"]["p90"]), _ms(lv["tpot"]["p99"]),
+            _ms(lv["itl"]["p50"]), _ms(lv["itl"]["p99"]),
+            f"{lv['output_tok_s']:.1f}", f"{lv['requests_s']:.2f}",
+            "-" if lv["mbu"] is None else f"{lv['mbu'] * 100:.0f}%",
+            _ms(lv["server_itl_mean_s"]),
+        ])  # fmt: skip
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    echo("latencies in ms; TPOT leaves the first token out; vLLM ITL is the server's own mean over the same rounds")
+    for r in [head, *rows]:
+        echo("  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)))
+    for lv in result["levels"]:
+        for reason, count in lv["failures"].items():
+            echo(f"c={lv['concurrency']}: {count} failed: {reason}")
+        mean_out = lv.get("output_tokens_mean")
+        if mean_out is not None and t["ignore_eos"] and abs(mean_out - t["max_tokens"]) > 0.5:
+            echo(f"c={lv['concurrency']}: outputs averaged {mean_out:.1f} tokens, not {t['max_tokens']}: the server ignored ignore_eos")
+    c = result["client"]
+    echo(f"client CPU: {c['cpu_user_s']:.2f} s user + {c['cpu_system_s']:.2f} s system over {c['wall_s']:.1f} s")
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = result["levels"]
+    conc = [lv["concurrency"] for lv in levels]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    highest = 0.0
+    for key, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
+        ms = [None if lv["tpot"][key] is None else lv["tpot"][key] * 1000 for lv in levels]
+        highest = max([highest, *(v for v in ms if v is not None)])
+        ax1.plot(conc, ms, style, label=f"TPOT {key}")
+    floor = (result.get("floor") or {}).get("tpot_floor_s")
+    if floor:
+        ax1.axhline(floor * 1000, color="grey", linewidth=1, label="floor (weights / bandwidth)")
+        highest = max(highest, floor * 1000)
+    ax1.set_xscale("log", base=2)
+    ax1.set_xticks(conc, [str(c) for c in conc])
+    ax1.set_xlabel("concurrent streams")
+    ax1.set_ylabel("ms per output token")
+    ax1.set_title("TPOT (first token left out)")
+    ax1.set_ylim(0, highest * 1.25 if highest > 0 else None)
+    ax1.legend()
+    ax2.plot(conc, [lv["output_tok_s"] for lv in levels], "o-", color="tab:green")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xticks(conc, [str(c) for c in conc])
+    ax2.set_xlabel("concurrent streams")
+    ax2.set_ylabel("output tokens / s")
+    ax2.set_title("Output throughput")
+    ax2.set_ylim(bottom=0)
+    t = result["target"]
+    fig.suptitle(f"{t['model']}: {t['max_tokens']} output tokens per request, median of {result['plan']['rounds']} rounds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@ctl.command("bench")
+@click.option("--url", help="engine base URL (default: the config's engine, else http://127.0.0.1:8000)")
+@click.option("--model", help="served model name (default: the config's, else the first the engine lists)")
+@config_option
+@instance_option
+@click.option("--concurrency", "levels", default="1,4,8,16,32", show_default=True, callback=_levels, help="comma-separated levels")
+@click.option("--requests", "requests_per_round", type=click.IntRange(min=1), help="requests per round (default 4 x concurrency, at least 8)")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=128, show_default=True, help="prompt length in words (about one token each); the real count is reported")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True, help="output tokens per request")
+@click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True, help="requests before measuring")
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True, help="rounds per level; the median is reported")
+@click.option("--api-key-env", default="OPENAI_API_KEY", show_default=True, metavar="NAME", help="environment variable holding the API key")
+@click.option("--chat", is_flag=True, help="use /v1/chat/completions instead of /v1/completions")
+@click.option("--no-ignore-eos", "no_ignore_eos", is_flag=True, help="do not send vLLM's ignore_eos (for servers that reject it)")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=300.0, show_default=True, help="seconds per request")
+@click.option("--model-dir", help="model directory (or config.json) for the TPOT floor and MBU")
+@click.option("--bandwidth-gbs", type=click.FloatRange(min=0.1), help="memory bandwidth (decimal GB/s) for MBU (default: NVML card profile)")
+@click.option("--json", "json_path", metavar="FILE", help="write the results as JSON ('-' for stdout)")
+@click.option("--plot", "plot_path", metavar="FILE.png", help="draw TPOT and throughput against concurrency (needs matplotlib)")
+@click.option("--progress/--no-progress", default=None, help="progress bar on stderr (default: when stderr is a terminal)")
+def bench_command(
+    url, model, config_path, instance, levels, requests_per_round, prompt_tokens, max_tokens, warmup, rounds,
+    api_key_env, chat, no_ignore_eos, timeout_s, model_dir, bandwidth_gbs, json_path, plot_path, progress,
+) -> int:  # fmt: skip
+    """Stream requests at each concurrency level; report TTFT, TPOT, ITL percentiles, throughput and MBU."""
+    _check_plot_backend(plot_path)
+    cfg = None
+    if config_path or os.environ.get("R3090D_CONFIG"):
+        from r3090d.cli.common import load_config
+
+        cfg = load_config(config_path, instance, check_files=True)
+    base = (url or (cfg.engine_url if cfg else "http://127.0.0.1:8000")).rstrip("/")
+    if base.endswith("/v1"):
+        base = base[: -len("/v1")]
+    if not base.startswith(("http://", "https://")):
+        raise UsageExit(f"--url {base!r} is not an http(s) URL")
+    api_key = os.environ.get(api_key_env, "") or (cfg.api_key if cfg else "")
+    target = loadgen.Target(
+        url=base,
+        model=model or (cfg.model_name if cfg else ""),
+        api_key=api_key,
+        chat=chat,
+        max_tokens=max_tokens,
+        ignore_eos=not no_ignore_eos,
+        timeout_s=timeout_s,
+    )
+    if not model_dir and cfg and os.path.isdir(os.path.expanduser(cfg.engine.model)):
+        model_dir = cfg.engine.model  # the served model's own files give the floor
+    floor = tpot_floor(model_dir or None, bandwidth_gbs, cfg.gpu.card if cfg else None, cfg.gpu.index if cfg else 0)
+    bench_plan = loadgen.BenchPlan(levels=levels, requests=requests_per_round, rounds=rounds, warmup=warmup, prompt_words=prompt_tokens)
+
+    try:
+        target = asyncio.run(loadgen.check_target(target))
+    except loadgen.BenchError as exc:
+        raise BenchExit(str(exc), exc.exit_code) from None
+    show = progress if progress is not None else sys.stderr.isatty()
+    progress = Progress(bench_plan.total_requests(), enabled=show)
+    reader = server_itl_reader(target.url, target.model)
+    usage_before = _rusage()
+    started = time.perf_counter()
+    try:
+        level_results = asyncio.run(
+            loadgen.run_bench(
+                target,
+                bench_plan,
+                server_itl=reader,
+                on_done=progress.request_done,
+                on_level=progress.level,
+                tpot_floor_s=floor["tpot_floor_s"] if floor else None,
+            )
+        )
+    finally:
+        progress.close()
+    wall = time.perf_counter() - started
+    usage_after = _rusage()
+    result = {
+        "target": {k: v for k, v in asdict(target).items() if k != "api_key"},
+        "plan": asdict(bench_plan),
+        "floor": floor,
+        "levels": [loadgen.level_to_dict(lv) for lv in level_results],
+        "client": {
+            "wall_s": wall,
+            "cpu_user_s": usage_after[0] - usage_before[0],
+            "cpu_system_s": usage_after[1] - usage_before[1],
+        },
+        "started_at": time.time() - wall,
+    }
+    if json_path != "-":
+        render(result)
+    if json_path:
+        text = json.dumps(result, indent=2, sort_keys=True)
+        if json_path == "-":
+            click.echo(text)
+        else:
+            try:
+                with open(json_path, "w", encoding="utf-8") as fh:
+                    fh.write(text + "\n")
+            except OSError as exc:
+                raise BenchExit(f"cannot write {json_path}: {exc.strerror or exc}", exitcodes.USAGE) from None
+    if plot_path:
+        try:
+            plot(result, plot_path)
+        except OSError as exc:
+            raise BenchExit(f"cannot write {plot_path}: {exc.strerror or exc}", exitcodes.USAGE) from None
+        click.echo(f"plot: {plot_path}")
+    failed = sum(lv.failed for lv in level_results)
+    return exitcodes.WARNING if failed else exitcodes.OK
+
+
+def _rusage() -> tuple[float, float]:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime, ru.ru_stime

@@ -1,0 +1,174 @@
+"""`r3090ctl restart | maintenance | silence | reload`: ask the running daemon over its control socket.
+
+These talk to r3090d, not to systemd: a restart is the daemon's own (drained by
+default, with the load-balancer grace), so its history, alerts and backoff stay
+right. Exit 0 when the daemon accepted, 1 when it refused or cannot be reached.
+"""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from r3090d import control, exitcodes, statusview
+from r3090d.cli.common import UsageExit, config_option, ctl, emit_json, instance_option, load_config
+from r3090d.config import ConfigError
+
+REQUEST_TIMEOUT_S = 15.0
+RELOAD_TIMEOUT_S = control.RELOAD_TIMEOUT_S + 5.0
+LOST_AFTER_S = 15.0  # --wait: the daemon stopped answering for this long
+
+
+def ask(cfg, payload: dict, timeout: float = REQUEST_TIMEOUT_S) -> dict:
+    """The daemon's reply, or a click exception with one line and exit 1."""
+    try:
+        return control.request(cfg.daemon.runtime_dir, payload, timeout)
+    except control.ClientError as exc:
+        raise _Failed(str(exc)) from None
+
+
+class _Failed(click.ClickException):
+    exit_code = exitcodes.WARNING  # 1: the command did not do what was asked
+
+    def show(self, file=None) -> None:
+        click.echo(f"r3090ctl: {self.message}", err=True)
+
+
+def report(reply: dict, as_json: bool) -> int:
+    if as_json:
+        emit_json(reply)
+    elif reply.get("ok"):
+        click.echo(reply.get("message") or "ok")
+    else:
+        click.echo(f"r3090ctl: refused: {reply.get('error') or 'no reason given'}", err=True)
+    return exitcodes.OK if reply.get("ok") else exitcodes.WARNING
+
+
+# ------------------------------------------------------------------ restart
+
+
+@ctl.command("restart")
+@click.option("--drain/--no-drain", default=True, show_default=True, help="let running requests finish (and the load balancer leave) first")
+@click.option("--wait", is_flag=True, help="show progress until the new engine is ready")
+@click.option("--timeout", type=click.FloatRange(min=1), metavar="SECONDS", help="with --wait: give up waiting after this long (default: from the config)")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@config_option
+@instance_option
+def restart_command(drain, wait, timeout, as_json, config_path, instance) -> int:
+    """Restart the engine through the daemon (drained by default)."""
+    cfg = load_config(config_path, instance, check_files=False)
+    before = _status(cfg)
+    reply = ask(cfg, {"cmd": "restart", "drain": drain})
+    if not reply.get("ok") or not wait:
+        return report(reply, as_json)
+    if not as_json:
+        click.echo(reply.get("message") or "restart requested")
+    if timeout is None:
+        e = cfg.engine
+        timeout = cfg.watchdog.lb_grace + e.shutdown_timeout + 10 + cfg.watchdog.backoff_max + e.startup_timeout + 30
+    result = wait_ready(cfg, reply.get("generation"), (before or {}).get("engine", {}).get("pid"), timeout, quiet=as_json)
+    if as_json:
+        emit_json({**reply, **result})
+    elif result["ok"]:
+        click.echo(result["message"])
+    else:
+        click.echo(f"r3090ctl: {result['error']}", err=True)
+    return exitcodes.OK if result["ok"] else exitcodes.WARNING
+
+
+def _status(cfg) -> dict | None:
+    try:
+        reply = control.request(cfg.daemon.runtime_dir, {"cmd": "status"}, 5.0)
+    except control.ClientError:
+        return None
+    return reply.get("state") if reply.get("ok") else None
+
+
+def wait_ready(cfg, old_generation, old_pid, timeout: float, *, quiet: bool) -> dict:
+    """Follow the phases until a new engine is ready; print each change."""
+    start = time.monotonic()
+    last_phase = "ready"  # what the engine was when the restart was accepted
+    last_seen = start
+    while True:
+        now = time.monotonic()
+        doc = _status(cfg)
+        if doc is None:
+            if now - last_seen > LOST_AFTER_S:
+                return {"ok": False, "error": f"r3090d stopped answering {now - start:.0f} s into the restart"}
+        else:
+            last_seen = now
+            engine = doc.get("engine") or {}
+            phase = engine.get("phase")
+            if phase != last_phase:
+                last_phase = phase
+                if not quiet:
+                    extra = doc.get("next_action")
+                    click.echo(f"  +{now - start:5.1f} s  {phase}" + (f"  ({extra})" if extra else ""))
+            new_engine = (
+                engine.get("generation", 0) > old_generation
+                if isinstance(old_generation, int) and "generation" in engine
+                else engine.get("pid") not in (None, old_pid)
+            )
+            if phase == "ready" and new_engine:
+                return {"ok": True, "message": f"ready after {now - start:.1f} s (engine pid {engine.get('pid')})", "ready_after_s": round(now - start, 2), "pid": engine.get("pid")}
+            if phase == "given-up":
+                return {"ok": False, "error": f"r3090d gave up: {doc.get('give_up_reason')}"}
+            if phase == "shutting-down":
+                return {"ok": False, "error": "r3090d is shutting down"}
+        if now - start > timeout:
+            return {"ok": False, "error": f"still {last_phase} after {timeout:.0f} s; the restart goes on (r3090ctl status)"}
+        time.sleep(0.25)
+
+
+# ------------------------------------------------------------------ maintenance, silence, reload
+
+
+@ctl.command("maintenance")
+@click.argument("mode", type=click.Choice(["on", "off"]))
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@config_option
+@instance_option
+def maintenance_command(mode, as_json, config_path, instance) -> int:
+    """Pause (on) or resume (off) automatic restarts; /healthz answers 503 while on."""
+    cfg = load_config(config_path, instance, check_files=False)
+    return report(ask(cfg, {"cmd": "maintenance", "on": mode == "on"}), as_json)
+
+
+@ctl.command("silence")
+@click.argument("alert")
+@click.argument("duration")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@config_option
+@instance_option
+def silence_command(alert, duration, as_json, config_path, instance) -> int:
+    """Stop notifications for ALERT for DURATION (30m, 2h, 1h30m, 1d); it is still tracked and shown."""
+    if not control.ALERT_KEY.fullmatch(alert):
+        raise UsageExit(f"{alert!r} is not an alert name (letters, digits, _ . : -); see r3090ctl status")
+    try:
+        seconds = statusview.parse_duration(duration)
+    except ValueError as exc:
+        raise UsageExit(str(exc)) from None
+    if seconds > control.MAX_SILENCE_S:
+        raise UsageExit(f"{duration} is longer than the 30 days a silence may last")
+    cfg = load_config(config_path, instance, check_files=False)
+    reply = ask(cfg, {"cmd": "silence", "alert": alert, "seconds": seconds})
+    if reply.get("ok") and not as_json:
+        reply = {**reply, "message": f"{alert} silenced until {statusview.clock(time.time() + seconds)} ({statusview.ago(seconds)})"}
+    return report(reply, as_json)
+
+
+@ctl.command("reload")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@config_option
+@instance_option
+def reload_command(as_json, config_path, instance) -> int:
+    """Re-read the config file; an invalid file is refused and the running config stays."""
+    try:
+        cfg = load_config(config_path, instance, check_files=False)
+    except ConfigError as exc:
+        # The daemon would refuse it too; and a broken file cannot say where the daemon listens.
+        click.echo(f"r3090ctl reload: not sent, the config is invalid: {exc.one_line()}", err=True)
+        click.echo("r3090ctl reload: a running r3090d keeps its current config", err=True)
+        return exitcodes.CONFIG
+    return report(ask(cfg, {"cmd": "reload"}, RELOAD_TIMEOUT_S), as_json)

@@ -1,0 +1,361 @@
+"""`r3090ctl plan`: predicted KV cache capacity and TPOT floor; against a running engine, the difference.
+
+Exit codes: 0 the plan was made (and, with an engine, compared); 1 an engine was
+named with --url but could not be read, so no comparison was made; 64 missing
+or bad inputs (no model, no GPU size, unreadable config.json); 78 config errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import click
+
+from r3090d import config as configmod
+from r3090d import exitcodes
+from r3090d import plan as planmod
+from r3090d.cards import CARDS, card_for_name
+from r3090d.cli.common import UsageExit, config_option, ctl, emit_json, instance_option, load_config
+from r3090d.model import GpuStatus
+from r3090d.plan import GB, GIB, MIB, PlanError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInputs:
+    shape: planmod.ModelShape
+    measured_weight_bytes: int | None
+    weight_note: str
+    label: str
+
+
+def read_model(path: str) -> ModelInputs:
+    """A model directory (config.json, optional safetensors) or a bare config.json file."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        try:
+            config = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UsageExit(f"cannot read {path}: {exc}") from None
+        return ModelInputs(_shape(config, path), None, "config.json only", str(p))
+    from r3090d import modelinfo
+
+    facts = modelinfo.read_model_dir(p)
+    if not facts.is_dir:
+        raise UsageExit(f"--model {path}: {facts.error}")
+    if facts.config is None:
+        raise UsageExit(f"--model {path}: no readable config.json ({facts.error})")
+    measured = facts.weight_bytes if facts.weight_bytes else None
+    if measured:
+        note = f"measured: safetensors headers of {len([f for f in facts.weight_files if f.format == 'safetensors'])} file(s)"
+    elif facts.weight_files:
+        note = f"no complete safetensors set ({facts.error or 'other formats only'}): estimated"
+    else:
+        note = "no weight files: estimated"
+    return ModelInputs(_shape(facts.config, path), measured, note, str(p))
+
+
+def _shape(config, where: str) -> planmod.ModelShape:
+    try:
+        return planmod.shape_from_config(config)
+    except PlanError as exc:
+        raise UsageExit(f"{where}: {exc}") from None
+
+
+def gpu_from_nvml(index: int):
+    """(memory bytes, NVML name) of GPU `index`, or (None, why)."""
+    try:
+        from r3090d.probes import nvml  # the only module that talks to NVML
+    except ImportError as exc:
+        return None, f"NVML probe unavailable ({exc})"
+    sample = nvml.read_gpu(index, timeout_s=10.0)
+    if sample.status is GpuStatus.OK and sample.memory_total:
+        return (sample.memory_total, sample.name), ""
+    return None, f"NVML: {sample.status.value}{': ' + sample.detail if sample.detail else ''}"
+
+
+def resolve_hardware(gpu_memory_gib, bandwidth_gbs, *, need_memory: bool, card: str | None, gpu_index: int) -> planmod.Hardware:
+    """Flags first, then NVML for the size and the card profile for the bandwidth."""
+    memory = int(gpu_memory_gib * GIB) if gpu_memory_gib is not None else None
+    bandwidth = bandwidth_gbs * GB if bandwidth_gbs is not None else None
+    sources = []
+    if memory is not None:
+        sources.append("--gpu-memory-gib")
+    if bandwidth is not None:
+        sources.append("--bandwidth-gbs")
+    nvml_why = ""
+    gpu_name = None
+    if memory is None or bandwidth is None:
+        found, nvml_why = gpu_from_nvml(gpu_index)
+        if found is not None:
+            total, name = found
+            gpu_name = name
+            if memory is None:
+                memory = total
+                sources.append(f"NVML GPU {gpu_index} ({name})")
+            profile = card_for_name(name) or CARDS.get(card or "")
+            if bandwidth is None and profile is not None:
+                bandwidth = profile.bandwidth_gbs * GB
+                sources.append(f"card profile {profile.key}")
+    missing = []
+    if memory is None and need_memory:
+        missing.append("--gpu-memory-gib G")
+    if bandwidth is None:
+        missing.append("--bandwidth-gbs B")
+    if missing == ["--bandwidth-gbs B"] and gpu_name:
+        raise UsageExit(
+            f"GPU {gpu_index} ({gpu_name}) is not in the card profiles ({', '.join(sorted(CARDS))}), "
+            "so its memory bandwidth is unknown: give --bandwidth-gbs B (decimal GB/s)"
+        )
+    if missing:
+        why = f" ({nvml_why})" if nvml_why else ""
+        raise UsageExit(
+            f"no GPU to measure{why}: give {' and '.join(missing)} "
+            "(an RTX 3090 is --gpu-memory-gib 24 --bandwidth-gbs 936)"
+        )
+    return planmod.Hardware(memory, bandwidth, ", ".join(sources))
+
+
+def _extra_arg(extra_args: list, flag: str) -> str | None:
+    for i, arg in enumerate(extra_args):
+        if arg == flag and i + 1 < len(extra_args):
+            return extra_args[i + 1]
+        if isinstance(arg, str) and arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _maybe_config(config_path, instance):
+    """The config when one was named or the default file exists; None otherwise."""
+    explicit = config_path or os.environ.get(configmod.ENV_CONFIG)
+    path = configmod.resolve_path(config_path, instance)
+    if not explicit and not path.exists():
+        return None
+    return load_config(config_path, instance, check_files=False)
+
+
+def read_engine_cache(url: str, timeout: float = 5.0, model_name: str = ""):
+    """(EngineCache, None) from a live engine's /metrics, or (None, why)."""
+    import requests
+
+    from r3090d.probes import engine as engine_probe
+
+    with requests.Session() as session:
+        text, why = engine_probe.fetch_metrics(session, url, timeout)
+    if text is None:
+        return None, why
+    sample = engine_probe.parse(text, model_name)
+    if not sample.cache_config:
+        return None, sample.error or "no vllm:cache_config_info in /metrics"
+    return planmod.engine_cache_from_labels(dict(sample.cache_config)), None
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def _gb(n: int | float | None) -> str:
+    """Decimal first (bandwidth is decimal), binary in brackets, each labelled."""
+    if n is None:
+        return "-"
+    if abs(n) < 0.1 * GB:
+        return f"{n / 1e6:,.2f} MB ({n / MIB:,.2f} MiB)"
+    return f"{n / GB:,.2f} GB ({n / GIB:,.2f} GiB)"
+
+
+def _ms(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1000:.1f} ms" if s >= 0.01 else f"{s * 1000:.3f} ms"
+
+
+def plan_to_dict(plan: planmod.Plan, comparison: planmod.Comparison | None, engine_error: str | None, model: ModelInputs) -> dict:
+    data = {
+        "model": {"path": model.label, **dataclasses.asdict(plan.shape)},
+        "weights_note": model.weight_note,
+        "settings": dataclasses.asdict(plan.settings),
+        "hardware": dataclasses.asdict(plan.hardware),
+        "kv_bytes_per_token": plan.kv_bytes_per_token,
+        "block_bytes": plan.block_bytes,
+        "budget_bytes": plan.budget_bytes,
+        "overhead": {**dataclasses.asdict(plan.overhead), "total": plan.overhead.total},
+        "primary": dataclasses.asdict(plan.primary),
+        "alternatives": [dataclasses.asdict(c) for c in plan.alternatives],
+    }
+    if comparison is not None:
+        data["engine"] = dataclasses.asdict(comparison)
+    if engine_error is not None:
+        data["engine_error"] = engine_error
+    return data
+
+
+def render(plan: planmod.Plan, comparison, engine_error, model: ModelInputs, url: str | None) -> None:
+    s, sh, hw = plan.settings, plan.shape, plan.hardware
+    echo = click.echo
+    echo(f"Model       {model.label}: {sh.architecture} ({sh.model_type or '?'}), {sh.torch_dtype}")
+    echo(f"            {sh.num_layers} layers, {sh.num_attention_heads} heads, {sh.num_kv_heads} KV heads, head_dim {sh.head_dim}")
+    for note in sh.notes:
+        echo(f"            note: {note}")
+    bw = f"{hw.bandwidth_bytes_per_s / GB:,.0f} GB/s" if hw.bandwidth_bytes_per_s else "bandwidth unknown"
+    mem = f"{hw.memory_bytes / GIB:.2f} GiB ({hw.memory_bytes / GB:.2f} GB)" if hw.memory_bytes else "size not needed"
+    echo(f"GPU         {mem}, {bw}  [{hw.source}]")
+    echo(
+        f"Settings    gpu_memory_utilization {s.gpu_memory_utilization:g}, max_model_len {s.max_model_len}, "
+        f"max_num_seqs {s.max_num_seqs}, block size {s.block_size}, KV dtype {s.kv_cache_dtype}"
+    )
+    echo("")
+    kv_b = plan.kv_bytes_per_token // (2 * sh.num_layers * sh.num_kv_heads * sh.head_dim)
+    echo(f"KV per token   {plan.kv_bytes_per_token:,} B = 2 x {sh.num_layers} layers x {sh.num_kv_heads} KV heads x {sh.head_dim} x {kv_b} B")
+    echo(f"KV per block   {plan.block_bytes:,} B ({s.block_size} tokens)")
+    if s.kv_cache_memory_bytes is None:
+        echo(f"Budget         {_gb(plan.budget_bytes)} = total x {s.gpu_memory_utilization:g}")
+        echo(f"Overhead       {_gb(plan.overhead.total)}: {plan.overhead.description}")
+    echo("")
+    columns = [plan.primary, *plan.alternatives]
+    head = ["", *[c.scheme + (" (estimate)" if c is not plan.primary else "") for c in columns]]
+    rows = [
+        ["weights", *[_gb(c.weight_bytes) for c in columns]],
+        ["KV memory", *[_gb(c.kv_memory_bytes) for c in columns]],
+        ["KV blocks", *[f"{c.num_blocks:,}" for c in columns]],
+        ["KV tokens", *[f"{c.tokens:,}" for c in columns]],
+        [f"requests of {s.max_model_len} tokens", *[f"{c.max_concurrency:,.2f}" for c in columns]],
+        ["TPOT floor", *[_ms(c.tpot_floor_s) for c in columns]],
+    ]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    echo("")
+    for c in columns:
+        echo(f"{c.scheme}: weights {c.weight_source}")
+    echo(f"{plan.primary.scheme}: KV memory {plan.primary.kv_memory_source}")
+    if model.measured_weight_bytes is None:
+        echo(f"weights: {model.weight_note}")
+    if plan.primary.tpot_floor_s is not None:
+        echo("TPOT floor = weight bytes / bandwidth (decimal GB); MBU = floor / measured TPOT")
+    if plan.primary.num_blocks == 0:
+        echo("WARNING: no KV memory is left: the engine would refuse to start")
+    if comparison is not None:
+        _render_comparison(plan, comparison, url)
+    elif engine_error is not None:
+        echo("")
+        echo(f"Engine {url}: not compared: {engine_error}")
+
+
+def _render_comparison(plan: planmod.Plan, c: planmod.Comparison, url) -> None:
+    echo = click.echo
+    e = c.engine
+    echo("")
+    echo(f"Engine {url}: vLLM allocated")
+    echo(f"  num_gpu_blocks {e.num_gpu_blocks}, block_size {e.block_size}, kv_cache_size_tokens {e.kv_cache_size_tokens}, kv_cache_memory_bytes {e.kv_cache_memory_bytes}")
+    echo(f"  predicted blocks {c.predicted_blocks:,}, engine {e.num_gpu_blocks if e.num_gpu_blocks is not None else '-'}: difference {_signed(c.block_difference)} blocks")
+    echo(f"  predicted tokens {c.predicted_tokens:,}, engine {c.engine_tokens if c.engine_tokens is not None else '-'}: difference {_signed(c.token_difference)} tokens")
+    if c.kv_bytes_difference is not None:
+        echo(f"  KV memory difference (engine - predicted) {_signed_gb(c.kv_bytes_difference)}")
+    if c.implied_overhead_bytes is not None:
+        echo(f"  vLLM's allocation implies activations/overhead of {_gb(c.implied_overhead_bytes)} (estimate used: {_gb(plan.overhead.total)})")
+    if c.arithmetic_check_blocks is not None:
+        echo(f"  vLLM's own KV bytes / predicted block bytes = {c.arithmetic_check_blocks:,} blocks")
+    for note in c.notes:
+        echo(f"  note: {note}")
+
+
+def _signed(n) -> str:
+    return "-" if n is None else f"{n:+,}"
+
+
+def _signed_gb(n: int) -> str:
+    return f"{n / GB:+,.3f} GB ({n / GIB:+,.3f} GiB)"
+
+
+# ------------------------------------------------------------------- command
+
+
+@ctl.command("plan")
+@click.option("--model", "model_path", metavar="DIR", help="model directory (or its config.json); default: the config's engine.model")
+@click.option("--profile", "profile_name", metavar="NAME", help="realtime, batch, a [profiles.NAME] of the config, or none (vLLM defaults)")
+@config_option
+@instance_option
+@click.option("--gpu-memory-gib", type=click.FloatRange(min=0.1), help="GPU memory in GiB (default: NVML)")
+@click.option("--bandwidth-gbs", type=click.FloatRange(min=0.1), help="memory bandwidth in decimal GB/s (default: the card profile)")
+@click.option("--kv-cache-memory-bytes", type=click.IntRange(min=1), help="exact KV memory, as vLLM's flag: blocks = bytes // block bytes")
+@click.option("--block-size", type=click.IntRange(min=1), help="tokens per KV block (vLLM: 16 on GPU, 128 on CPU)")
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0.01, 1.0), help="override the profile's")
+@click.option("--max-model-len", type=click.IntRange(min=1), help="override the profile's")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), help="override the profile's")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), help=f"tokens of vLLM's profiling pass (default {planmod.DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+@click.option("--kv-cache-dtype", default=None, help="auto (the model dtype), bfloat16, float16, fp8, ...")
+@click.option("--enforce-eager", is_flag=True, default=None, help="no CUDA graphs: none in the overhead estimate")
+@click.option("--overhead-gib", type=click.FloatRange(min=0), help="replace the activation + overhead estimate")
+@click.option("--url", help="a running engine to compare with (default: the config's engine, if reachable)")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def plan_command(
+    model_path, profile_name, config_path, instance, gpu_memory_gib, bandwidth_gbs, kv_cache_memory_bytes, block_size,
+    gpu_memory_utilization, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_dtype, enforce_eager,
+    overhead_gib, url, as_json,
+) -> int:  # fmt: skip
+    """Predict KV cache blocks, tokens, concurrency and the TPOT floor for a model on a card."""
+    cfg = _maybe_config(config_path, instance)
+    extra = list(cfg.engine.extra_args) if cfg else []
+    model_path = model_path or (cfg.engine.model if cfg else None)
+    if not model_path:
+        raise UsageExit("no model: give --model DIR (or --config with engine.model)")
+    model = read_model(model_path)
+
+    profile = _profile(cfg, profile_name, model.shape)
+    settings = planmod.Settings(
+        gpu_memory_utilization=gpu_memory_utilization or profile.gpu_memory_utilization,
+        max_model_len=max_model_len or profile.max_model_len,
+        max_num_seqs=max_num_seqs or profile.max_num_seqs,
+        block_size=block_size or _int_arg(extra, "--block-size") or planmod.DEFAULT_BLOCK_SIZE,
+        kv_cache_dtype=kv_cache_dtype or _extra_arg(extra, "--kv-cache-dtype") or "auto",
+        kv_cache_memory_bytes=kv_cache_memory_bytes or _int_arg(extra, "--kv-cache-memory-bytes"),
+        max_num_batched_tokens=max_num_batched_tokens or _int_arg(extra, "--max-num-batched-tokens") or planmod.DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        enforce_eager=bool(enforce_eager) if enforce_eager is not None else "--enforce-eager" in extra,
+        overhead_bytes=int(overhead_gib * GIB) if overhead_gib is not None else None,
+    )
+    hardware = resolve_hardware(
+        gpu_memory_gib,
+        bandwidth_gbs,
+        need_memory=settings.kv_cache_memory_bytes is None,
+        card=cfg.gpu.card if cfg else None,
+        gpu_index=cfg.gpu.index if cfg else (instance or 0),
+    )
+    try:
+        plan = planmod.make_plan(model.shape, settings, hardware, measured_weight_bytes=model.measured_weight_bytes, measured_source=model.weight_note)
+    except PlanError as exc:
+        raise UsageExit(str(exc)) from None
+
+    engine_url = url or (cfg.engine_url if cfg else None)
+    comparison = engine_error = None
+    if engine_url:
+        cache, engine_error = read_engine_cache(engine_url, model_name=cfg.model_name if (cfg and not url) else "")
+        if cache is not None:
+            comparison = planmod.compare(plan, cache)
+    if as_json:
+        emit_json(plan_to_dict(plan, comparison, engine_error, model))
+    else:
+        render(plan, comparison, engine_error, model, engine_url)
+    if engine_error is not None and url:
+        click.echo(f"r3090ctl plan: could not read the engine at {url}: {engine_error}", err=True)
+        return exitcodes.WARNING
+    return exitcodes.OK
+
+
+def _int_arg(extra: list, flag: str) -> int | None:
+    raw = _extra_arg(extra, flag)
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
+def _profile(cfg, name: str | None, shape: planmod.ModelShape) -> configmod.Profile:
+    profiles = configmod.resolve_profiles(cfg) if cfg else dict(configmod.BUILTIN_PROFILES)
+    name = name or (cfg.profile if cfg else "realtime")
+    if name == configmod.NO_PROFILE:
+        # vLLM's own defaults: utilization 0.9, the model's full context, 256 sequences.
+        return configmod.Profile(0.90, shape.max_position_embeddings or 4096, 256, True, True)
+    if name not in profiles:
+        raise UsageExit(f"unknown profile {name!r}: use one of {', '.join(sorted(profiles))} or none")
+    return profiles[name]

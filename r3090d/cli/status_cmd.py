@@ -1,0 +1,156 @@
+"""`r3090ctl status`: the daemon's view of the engine, GPU and alerts, with monitoring-plugin exit codes.
+
+"Running" means the control socket answers. If it does not, the state file and
+its pid decide: a live daemon with fresh state is still reported (with a note);
+otherwise the last persisted state is shown and the exit code is 3 (UNKNOWN).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import psutil
+
+from r3090d import control, exitcodes, statusview
+from r3090d.cli.common import config_option, ctl, emit_json, instance_option, load_config
+from r3090d.config import ConfigError
+from r3090d.exporter import stale_after
+from r3090d.state import STATE_FILE
+
+STATUS_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Located:
+    running: bool
+    doc: dict | None
+    source: str | None  # "socket" | "state-file" | None
+    note: str | None = None  # why the socket was not used, or what is odd
+    state_path: str = ""
+    pid_note: str = ""
+
+
+def pid_is_daemon(pid, started_at) -> bool:
+    """The pid is alive and is the process that wrote the state (not a reused pid)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return started_at is None or proc.create_time() <= float(started_at) + 2.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def read_state(state_dir: str) -> tuple[dict | None, str | None]:
+    path = Path(state_dir) / STATE_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None, None
+    except PermissionError:
+        return None, f"cannot read {path}: permission denied"
+    except (OSError, ValueError) as exc:
+        return None, f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}"
+    return (doc if isinstance(doc, dict) else None), None
+
+
+def locate(cfg, timeout: float = STATUS_TIMEOUT_S) -> Located:
+    dc = cfg.daemon
+    state_path = str(Path(dc.state_dir) / STATE_FILE)
+    try:
+        reply = control.request(dc.runtime_dir, {"cmd": "status"}, timeout)
+        if reply.get("ok"):
+            return Located(True, reply.get("state"), "socket", reply.get("message"), state_path)
+        socket_note = f"the control socket answered: {reply.get('error')}"
+    except control.ClientError as exc:
+        socket_note = exc.detail
+    doc, problem = read_state(dc.state_dir)
+    if doc is None:
+        return Located(False, None, None, problem or socket_note, state_path, "no state file" if problem is None else "state unreadable")
+    daemon = doc.get("daemon") or {}
+    pid = daemon.get("pid")
+    if pid_is_daemon(pid, daemon.get("started_at")):
+        age = time.time() - float(doc.get("written_at") or 0)
+        if age <= stale_after(doc):
+            return Located(True, doc, "state-file", f"pid {pid} runs but its control socket does not answer: {socket_note}; showing {state_path}", state_path)
+        return Located(False, doc, "state-file", f"pid {pid} is alive but its state is {age:.0f} s old: the daemon is stuck", state_path, f"pid {pid} not answering")
+    return Located(False, doc, "state-file", socket_note, state_path, f"pid {pid} is gone" if pid else "no pid recorded")
+
+
+def start_hint(cfg) -> str:
+    unit = f"r3090d@{cfg.instance}" if cfg.instance is not None else "r3090d"
+    return f"systemctl start {unit}   (or in a terminal: r3090d --config {cfg.source})"
+
+
+def render(cfg, found: Located, now: float, as_json: bool) -> int:
+    verdict = statusview.evaluate(found.doc, running=found.running, now=now)
+    if as_json:
+        emit_json(
+            {
+                "running": found.running,
+                "source": found.source,
+                "note": found.note,
+                "exit_code": verdict.code,
+                "verdict": verdict.label,
+                "reasons": list(verdict.reasons),
+                "state": found.doc,
+            }
+        )
+        return verdict.code
+    if not found.running:
+        for line in statusview.not_running_lines(found.doc, found.pid_note or "no answer", found.state_path, start_hint(cfg), now):
+            click.echo(line)
+        if found.note and found.source is None:
+            click.echo(f"({found.note})")
+        return verdict.code
+    if found.doc is None:
+        click.echo(f"r3090d is starting: {found.note or 'no state yet'}")
+        click.echo(f"Status     {verdict.line()}")
+        return verdict.code
+    note = found.note if found.source == "state-file" else None
+    for line in statusview.panel(found.doc, verdict, now, note=note):
+        click.echo(line)
+    return verdict.code
+
+
+@ctl.command("status")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output (with --watch: one JSON document per line)")
+@click.option("--watch", type=click.FloatRange(min=0.2), metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+@config_option
+@instance_option
+def status_command(as_json, watch, config_path, instance) -> int:
+    """The engine's state, KV cache, GPU, restarts and alerts. Exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN."""
+    try:
+        cfg = load_config(config_path, instance, check_files=False)
+    except ConfigError as exc:
+        click.echo(f"r3090ctl status: cannot find the daemon: config error: {exc.one_line()}", err=True)
+        return exitcodes.UNKNOWN
+    if not watch:
+        return render(cfg, locate(cfg), time.time(), as_json)
+    code = exitcodes.UNKNOWN
+    try:
+        while True:
+            found = locate(cfg)
+            if not as_json and sys.stdout.isatty():
+                click.echo("\x1b[H\x1b[2J", nl=False)
+            if as_json:
+                verdict = statusview.evaluate(found.doc, running=found.running, now=time.time())
+                code = verdict.code
+                line = {"running": found.running, "source": found.source, "exit_code": code, "verdict": verdict.label, "reasons": list(verdict.reasons), "state": found.doc}
+                click.echo(json.dumps(line, sort_keys=True, default=str))
+            else:
+                code = render(cfg, found, time.time(), False)
+                click.echo(f"(every {watch:g} s, Ctrl-C to stop; {time.strftime('%H:%M:%S')})")
+            sys.stdout.flush()
+            time.sleep(watch)
+    except KeyboardInterrupt:
+        return code

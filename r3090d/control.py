@@ -1,0 +1,581 @@
+"""The control socket: newline-delimited JSON over a unix socket in runtime_dir.
+
+One request per line, one reply per request, both JSON objects. Replies are
+{"ok": true, ...} or {"ok": false, "error": "..."}. "status" is answered from
+the daemon's latest state document right here, in the server thread, so it
+keeps answering while the loop is busy; every other command is handed to the
+loop (Daemon.submit_control) and its reply awaited with a timeout, so all
+changes of state still happen in the loop's one thread.
+
+Access is the socket file's: mode 0660, group = the daemon's own group, in a
+directory systemd's RuntimeDirectory= makes. Requests that change anything are
+logged with the peer's uid and pid (SO_PEERCRED).
+
+The server is one thread around a selector, with non-blocking sockets: an idle
+client, a slow reader or a flood of garbage costs a slot and a buffer, never a
+thread, and every connection has a deadline. Nothing a client sends can raise
+out of the server thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import grp
+import json
+import logging
+import math
+import os
+import queue
+import re
+import selectors
+import socket
+import stat
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("r3090d.control")
+
+SOCKET_NAME = "control.sock"
+SOCKET_MODE = 0o660
+MAX_REQUEST_BYTES = 64 * 1024  # a request line longer than this is refused and the connection closed
+MAX_REPLY_BYTES = 16 * 1024 * 1024  # what the client accepts
+MAX_PENDING_OUTPUT = 4 * 1024 * 1024  # a client that does not read its replies is dropped past this
+MAX_CONNECTIONS = 64
+IDLE_TIMEOUT_S = 5.0  # to send a (complete) request, and to read a reply
+LOOP_TIMEOUT_S = 10.0  # the loop's answer to a command
+RELOAD_TIMEOUT_S = 45.0  # reload asks the engine's python for its vLLM version (up to 30 s)
+MAX_SILENCE_S = 30 * 86400
+ALERT_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the trailing NUL
+
+COMMANDS = {
+    # cmd -> {field: (required, checker, what it must be)}
+    "status": {},
+    "restart": {"drain": (False, lambda v: isinstance(v, bool), "true or false")},
+    "maintenance": {"on": (True, lambda v: isinstance(v, bool), "true or false")},
+    "silence": {
+        "alert": (True, lambda v: isinstance(v, str) and ALERT_KEY.fullmatch(v) is not None, "an alert name (letters, digits, _ . : -; at most 64)"),
+        "seconds": (
+            True,
+            lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and 1 <= v <= MAX_SILENCE_S,
+            f"a number of seconds from 1 to {MAX_SILENCE_S}",
+        ),
+    },
+    "reload": {},
+}
+
+
+def socket_path(runtime_dir: str | Path) -> Path:
+    return Path(runtime_dir) / SOCKET_NAME
+
+
+def validate(request) -> str | None:
+    """None if `request` is a well-formed command, else what is wrong with it (pure)."""
+    if not isinstance(request, dict):
+        return f"a request is a JSON object, not {type(request).__name__}"
+    cmd = request.get("cmd")
+    if not isinstance(cmd, str):
+        return 'missing "cmd" (one of: ' + ", ".join(COMMANDS) + ")"
+    if cmd not in COMMANDS:
+        return f"unknown command {cmd[:40]!r}; known: {', '.join(COMMANDS)}"
+    spec = COMMANDS[cmd]
+    for key in request:
+        if key != "cmd" and key not in spec:
+            return f"{cmd}: unknown field {str(key)[:40]!r}" + (f"; known: {', '.join(spec)}" if spec else "; it takes none")
+    for key, (required, check, what) in spec.items():
+        if key not in request:
+            if required:
+                return f"{cmd}: missing {key!r} ({what})"
+            continue
+        if not check(request[key]):
+            return f"{cmd}: {key!r} must be {what}"
+    return None
+
+
+def encode(reply: dict) -> bytes:
+    return json.dumps(reply, separators=(",", ":"), default=str).encode() + b"\n"
+
+
+def error(text: str) -> dict:
+    return {"ok": False, "error": text}
+
+
+# ------------------------------------------------------------------ server
+
+
+class ControlError(Exception):
+    """The control socket cannot be set up."""
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    cid: int
+    peer: str
+    inbuf: bytearray = field(default_factory=bytearray)
+    outbuf: bytearray = field(default_factory=bytearray)
+    deadline: float = 0.0
+    pending: int | None = None  # token of the command the loop is answering
+    pending_cmd: str = ""
+    closing: bool = False  # close once outbuf is written
+
+
+class ControlServer:
+    """Serves the control socket from one thread; `start()` raises ControlError, nothing after it raises."""
+
+    def __init__(self, runtime_dir: str | Path, get_doc, submit, *, gid: int | None = None):
+        self.path = socket_path(runtime_dir)
+        self._get_doc = get_doc
+        self._submit = submit
+        self._gid = os.getgid() if gid is None else gid
+        self._sel: selectors.BaseSelector | None = None
+        self._listener: socket.socket | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._conns: dict[int, _Conn] = {}
+        self._next_id = 0
+        self._next_token = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._inode: tuple[int, int] | None = None
+        self.counters = {"connections": 0, "requests": 0, "errors": 0, "refused_busy": 0}
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> ControlServer:
+        path = self.path
+        tmp = path.with_name(f".{SOCKET_NAME}.{os.getpid()}")
+        for p in (path, tmp):
+            if len(os.fsencode(p)) > UNIX_PATH_MAX:
+                raise ControlError(f"{p}: path longer than {UNIX_PATH_MAX} bytes, too long for a unix socket (use a shorter daemon.runtime_dir)")
+        try:
+            path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ControlError(f"cannot create {path.parent}: {exc.strerror}") from None
+        self._clear_stale(path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            tmp.unlink(missing_ok=True)
+            # Bound under a temporary name and renamed once its mode and group are
+            # right, so no client ever sees the socket with looser permissions.
+            listener.bind(str(tmp))
+            os.chmod(tmp, SOCKET_MODE)
+            os.chown(tmp, -1, self._gid)
+            listener.listen(64)
+            os.rename(tmp, path)
+            st = os.stat(path)
+            self._inode = (st.st_dev, st.st_ino)
+        except OSError as exc:
+            listener.close()
+            tmp.unlink(missing_ok=True)
+            raise ControlError(f"cannot create the control socket {path}: {exc.strerror or exc}") from None
+        listener.setblocking(False)
+        self._listener = listener
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(listener, selectors.EVENT_READ, "listener")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._thread = threading.Thread(target=self._serve, name="control", daemon=True)
+        self._thread.start()
+        log.info("control socket %s (mode %o, group %s)", path, SOCKET_MODE, _group_name(self._gid))
+        return self
+
+    @staticmethod
+    def _clear_stale(path: Path) -> None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise ControlError(f"cannot inspect {path}: {exc.strerror}") from None
+        if not stat.S_ISSOCK(st.st_mode):
+            raise ControlError(f"{path} exists and is not a socket; remove it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink(missing_ok=True)  # left behind by a daemon that died
+            return
+        finally:
+            probe.close()
+        raise ControlError(f"another r3090d is answering on {path}; is this instance already running?")
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        for conn in list(self._conns.values()):
+            self._close(conn)
+        for s in (self._listener, self._wake_r, self._wake_w):
+            if s is not None:
+                s.close()
+        if self._sel is not None:
+            self._sel.close()
+        try:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._inode:  # never remove a successor's socket
+                self.path.unlink()
+        except OSError:
+            pass
+
+    def _wake(self) -> None:
+        if self._wake_w is not None:
+            try:
+                self._wake_w.send(b"x")
+            except OSError:
+                pass  # full or closed: the thread is awake anyway
+
+    # ---------------------------------------------------------- the thread
+
+    def _serve(self) -> None:
+        assert self._sel is not None
+        while not self._stopping:
+            now = time.monotonic()
+            deadlines = [c.deadline for c in self._conns.values()]
+            timeout = max(0.0, min([now + 1.0, *deadlines]) - now)
+            try:
+                events = self._sel.select(timeout)
+            except OSError as exc:  # should not happen; never spin on it
+                log.error("control socket select failed: %s", exc)
+                time.sleep(0.1)
+                continue
+            for key, mask in events:
+                try:
+                    if key.data == "listener":
+                        self._accept()
+                    elif key.data == "wake":
+                        self._drain_wake()
+                    else:
+                        conn = self._conns.get(key.data)
+                        if conn is None:
+                            continue
+                        if mask & selectors.EVENT_READ:
+                            self._read(conn)
+                        if conn.cid in self._conns and mask & selectors.EVENT_WRITE:
+                            self._flush(conn)
+                except Exception:  # a bug must cost one connection, not the server
+                    log.exception("control socket: unexpected error")
+                    conn = self._conns.get(key.data) if isinstance(key.data, int) else None
+                    if conn is not None:
+                        self._close(conn)
+            try:
+                self._deliver_replies()
+                self._expire(time.monotonic())
+            except Exception:
+                log.exception("control socket: unexpected error")
+
+    def _accept(self) -> None:
+        assert self._listener is not None and self._sel is not None
+        for _ in range(64):
+            try:
+                sock, _addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.warning("control socket: cannot accept: %s", exc.strerror)
+                return
+            sock.setblocking(False)
+            self.counters["connections"] += 1
+            if len(self._conns) >= MAX_CONNECTIONS:
+                self.counters["refused_busy"] += 1
+                try:
+                    sock.send(encode(error(f"busy: {MAX_CONNECTIONS} connections open, try again")))
+                except OSError:
+                    pass
+                sock.close()
+                continue
+            self._next_id += 1
+            conn = _Conn(sock=sock, cid=self._next_id, peer=_peer(sock), deadline=time.monotonic() + IDLE_TIMEOUT_S)
+            self._conns[conn.cid] = conn
+            self._sel.register(sock, selectors.EVENT_READ, conn.cid)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        if not data:
+            # The client is gone; a partial request dies with it.
+            self._close(conn)
+            return
+        if conn.closing:
+            return
+        conn.inbuf += data
+        if conn.pending is not None and len(conn.inbuf) > 4 * MAX_REQUEST_BYTES:
+            self._close(conn)  # pipelining far ahead of the answers
+            return
+        self._process(conn)
+
+    def _process(self, conn: _Conn) -> None:
+        while conn.pending is None and not conn.closing and conn.cid in self._conns:
+            nl = conn.inbuf.find(b"\n")
+            if nl < 0:
+                if len(conn.inbuf) > MAX_REQUEST_BYTES:
+                    self._reply(conn, error(f"request longer than {MAX_REQUEST_BYTES} bytes"), close=True)
+                return
+            if nl > MAX_REQUEST_BYTES:
+                self._reply(conn, error(f"request longer than {MAX_REQUEST_BYTES} bytes"), close=True)
+                return
+            line = bytes(conn.inbuf[:nl]).strip()
+            del conn.inbuf[: nl + 1]
+            if line:
+                self._handle_line(conn, line)
+
+    def _handle_line(self, conn: _Conn, line: bytes) -> None:
+        self.counters["requests"] += 1
+        try:
+            request = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            self._reply(conn, error("request is not UTF-8 text"))
+            return
+        except (ValueError, RecursionError) as exc:
+            self._reply(conn, error(f"request is not JSON: {str(exc)[:80]}"))
+            return
+        problem = validate(request)
+        if problem is not None:
+            self._reply(conn, error(problem))
+            return
+        cmd = request["cmd"]
+        if cmd == "status":
+            doc = self._get_doc()
+            if doc is None:
+                self._reply(conn, {"ok": True, "state": None, "message": "the daemon is starting: no tick yet"})
+            else:
+                self._reply(conn, {"ok": True, "state": doc})
+            return
+        log.info("control: %s from %s", json.dumps(request, sort_keys=True), conn.peer)
+        self._next_token += 1
+        token = self._next_token
+        conn.pending, conn.pending_cmd = token, cmd
+        conn.deadline = time.monotonic() + (RELOAD_TIMEOUT_S if cmd == "reload" else LOOP_TIMEOUT_S)
+        cid = conn.cid
+
+        def reply(result: dict, cid=cid, token=token) -> None:
+            # Called from the daemon's loop: only queue, never touch a socket there.
+            self._replies.put((cid, token, result))
+            self._wake()
+
+        self._submit(dict(request), reply)
+
+    def _deliver_replies(self) -> None:
+        while True:
+            try:
+                cid, token, result = self._replies.get_nowait()
+            except queue.Empty:
+                return
+            conn = self._conns.get(cid)
+            if conn is None or conn.pending != token:
+                continue  # the client left, or it already got a timeout
+            conn.pending = None
+            if not isinstance(result, dict):
+                result = error("the daemon gave no answer")
+            self._reply(conn, result)
+            self._process(conn)  # requests pipelined behind this one
+
+    def _expire(self, now: float) -> None:
+        for conn in list(self._conns.values()):
+            if now < conn.deadline:
+                continue
+            if conn.pending is not None:
+                conn.pending = None
+                self._reply(conn, error(f"{conn.pending_cmd}: the daemon loop did not answer in time; it may still act on it"))
+                self._process(conn)
+            elif conn.closing or conn.outbuf:
+                self._close(conn)  # the client does not read its replies
+            else:
+                why = "incomplete request (no newline)" if conn.inbuf else "no request"
+                self._reply(conn, error(f"{why} within {IDLE_TIMEOUT_S:.0f} s"), close=True)
+
+    def _reply(self, conn: _Conn, reply: dict, *, close: bool = False) -> None:
+        if not reply.get("ok"):
+            self.counters["errors"] += 1
+        try:
+            data = encode(reply)
+        except (TypeError, ValueError) as exc:
+            data = encode(error(f"reply could not be encoded: {exc}"))
+        conn.outbuf += data
+        conn.deadline = time.monotonic() + IDLE_TIMEOUT_S
+        if close:
+            conn.closing = True
+            conn.inbuf.clear()
+        if len(conn.outbuf) > MAX_PENDING_OUTPUT:
+            self._close(conn)
+            return
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        assert self._sel is not None
+        while conn.outbuf:
+            try:
+                sent = conn.sock.send(conn.outbuf)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._close(conn)  # reset or broken pipe: the client left
+                return
+            del conn.outbuf[:sent]
+        if conn.closing and not conn.outbuf:
+            self._close(conn)
+            return
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
+        self._sel.modify(conn.sock, want, conn.cid)
+
+    def _close(self, conn: _Conn) -> None:
+        if self._conns.pop(conn.cid, None) is None:
+            return
+        try:
+            if self._sel is not None:
+                self._sel.unregister(conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        conn.sock.close()
+
+    def _drain_wake(self) -> None:
+        assert self._wake_r is not None
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+
+def _peer(sock: socket.socket) -> str:
+    try:
+        pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return f"uid {uid} pid {pid}"
+    except OSError:
+        return "unknown peer"
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+# ------------------------------------------------------------------ client
+
+
+class ClientError(Exception):
+    """The daemon could not be asked; str() is one line for the user, `detail` what happened to the socket."""
+
+    def __init__(self, message: str, detail: str | None = None):
+        super().__init__(message)
+        self.detail = detail or message
+
+
+class DaemonNotRunning(ClientError):
+    pass
+
+
+class ControlPermissionError(ClientError):
+    pass
+
+
+class ControlTimeout(ClientError):
+    pass
+
+
+def request(runtime_dir: str | Path, payload: dict, timeout: float = 15.0) -> dict:
+    """Send one request, return the daemon's reply (a dict). Raises ClientError."""
+    path = socket_path(runtime_dir)
+    deadline = time.monotonic() + timeout
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(path))
+        except FileNotFoundError:
+            raise DaemonNotRunning(f"r3090d is not running (no control socket at {path})", f"no control socket at {path}") from None
+        except ConnectionRefusedError:
+            raise DaemonNotRunning(f"r3090d is not running (nothing listens on {path})", f"nothing listens on {path}") from None
+        except PermissionError:
+            raise ControlPermissionError(f"permission denied on {path}: {_access_hint(path)}") from None
+        except TimeoutError:
+            raise ControlTimeout(f"r3090d did not accept a connection on {path} within {timeout:.0f} s") from None
+        except OSError as exc:
+            raise ClientError(f"cannot connect to {path}: {exc.strerror or exc}") from None
+        try:
+            sock.sendall(json.dumps(payload).encode() + b"\n")
+            buf = bytearray()
+            while b"\n" not in buf:
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise ClientError(f"r3090d closed the control connection without an answer ({path})")
+                buf += chunk
+                if len(buf) > MAX_REPLY_BYTES:
+                    raise ClientError(f"r3090d's answer is larger than {MAX_REPLY_BYTES} bytes")
+        except TimeoutError:
+            raise ControlTimeout(f"r3090d did not answer within {timeout:.0f} s ({path})") from None
+        except (BrokenPipeError, ConnectionResetError):
+            raise ClientError(f"r3090d closed the control connection ({path})") from None
+    finally:
+        sock.close()
+    try:
+        reply = json.loads(buf[: buf.index(b"\n")].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise ClientError("r3090d's answer is not JSON") from None
+    if not isinstance(reply, dict):
+        raise ClientError("r3090d's answer is not a JSON object")
+    return reply
+
+
+def _access_hint(path: Path) -> str:
+    try:
+        gid = os.stat(path).st_gid
+    except OSError:
+        return "run as root or as a member of the daemon's group"
+    return f"run as root or as a member of group {_group_name(gid)!r}"
+
+
+# ------------------------------------------------------------------ wiring
+
+
+class ControlPlane:
+    """The control socket and the exporter of one daemon; either may be missing (logged)."""
+
+    def __init__(self, servers: list):
+        self.servers = servers
+
+    def stop(self) -> None:
+        for server in reversed(self.servers):
+            try:
+                server.stop()
+            except Exception as exc:  # shutting down: report, keep going
+                log.warning("stopping %s: %s", type(server).__name__, exc)
+
+
+def start_plane(daemon) -> ControlPlane:
+    """Start the control socket and (if enabled) the exporter for `daemon`.
+
+    A failure to start either is logged and the daemon goes on supervising:
+    keeping the engine up matters more than being able to talk about it.
+    """
+    from r3090d.exporter import Exporter
+
+    servers: list = []
+    dc = daemon.cfg.daemon
+    try:
+        servers.append(ControlServer(dc.runtime_dir, lambda: daemon.latest_doc, daemon.submit_control).start())
+    except ControlError as exc:
+        log.error("no control socket: %s; r3090ctl will fall back to the state file", exc)
+    if dc.exporter_enabled:
+        try:
+            servers.append(Exporter(dc.exporter_host, dc.exporter_port, lambda: daemon.latest_doc).start())
+        except OSError as exc:
+            log.error("no exporter on %s:%d: %s (fix: free the port or change daemon.exporter_port)", dc.exporter_host, dc.exporter_port, exc.strerror or exc)
+    return ControlPlane(servers)

@@ -1,0 +1,52 @@
+"""sd_notify: READY, STATUS, WATCHDOG, EXTEND_TIMEOUT_USEC, STOPPING.
+
+A no-op without $NOTIFY_SOCKET, so the same daemon runs in a terminal. The
+watchdog ping is sent from the main loop only: if the loop stalls, systemd must
+notice, which a free-running thread would hide.
+"""
+
+from __future__ import annotations
+
+import os
+
+import sdnotify
+
+# Each EXTEND_TIMEOUT_USEC grants this much from the moment it is sent; the loop
+# re-sends it every tick, so it only has to outlast a couple of ticks.
+EXTEND_BY_S = 30.0
+
+
+class Notifier:
+    def __init__(self) -> None:
+        self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
+        self._sd = sdnotify.SystemdNotifier() if self.enabled else None
+        usec = os.environ.get("WATCHDOG_USEC", "")
+        pid = os.environ.get("WATCHDOG_PID", "")
+        applies = not pid or pid == str(os.getpid())
+        self.watchdog_interval_s = int(usec) / 1e6 if usec.isdigit() and applies else None
+        self.ready_sent = False
+        self._last_status = None
+
+    def _send(self, text: str) -> None:
+        if self._sd is not None:
+            self._sd.notify(text)
+
+    def ready(self, status: str) -> None:
+        if not self.ready_sent:
+            self._send(f"READY=1\nSTATUS={status}")
+            self.ready_sent = True
+            self._last_status = status
+
+    def status(self, status: str) -> None:
+        if status != self._last_status:
+            self._send(f"STATUS={status}")
+            self._last_status = status
+
+    def watchdog(self) -> None:
+        self._send("WATCHDOG=1")
+
+    def extend_timeout(self, seconds: float = EXTEND_BY_S) -> None:
+        self._send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
+
+    def stopping(self, status: str = "stopping") -> None:
+        self._send(f"STOPPING=1\nSTATUS={status}")

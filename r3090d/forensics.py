@@ -1,0 +1,52 @@
+"""Restart forensics: one JSON record per restart in the state directory, the last 10 kept."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from r3090d.state import plain, read_json, write_json_atomic
+
+KEEP = 10
+RECORD_GLOB = "restart-*.json"
+
+
+def records_dir(state_dir: str | Path) -> Path:
+    return Path(state_dir) / "restarts"
+
+
+def write_record(state_dir: str | Path, *, reason: str, detail: str, snapshot, log_tail: list[str], metrics_text: str | None, gpu) -> Path:
+    folder = records_dir(state_dir)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"{time.time() % 1:.3f}"[1:]
+    safe_reason = re.sub(r"[^a-z0-9_-]", "_", reason.lower())
+    path = folder / f"restart-{stamp}-{safe_reason}.json"
+    write_json_atomic(
+        path,
+        {
+            "time": time.time(),
+            "reason": reason,
+            "detail": detail,
+            "ready_after_s": None,
+            "snapshot": plain(snapshot),
+            "engine_log_tail": log_tail,
+            "metrics_text": metrics_text,
+            "gpu": plain(gpu),
+        },
+    )
+    for old in list_records(state_dir)[KEEP:]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def list_records(state_dir: str | Path) -> list[Path]:
+    """Newest first."""
+    return sorted(records_dir(state_dir).glob(RECORD_GLOB), reverse=True)
+
+
+def mark_ready(path: Path, ready_after_s: float) -> None:
+    """Fill in how long the engine took to come back after this restart."""
+    data = read_json(path)
+    if data is not None:
+        data["ready_after_s"] = round(ready_after_s, 3)
+        write_json_atomic(path, data)

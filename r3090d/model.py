@@ -1,0 +1,245 @@
+"""Frozen data passed between probes, policy and effectors.
+
+Everything here is plain data: no live handles, no callbacks into a device or a
+socket. A probe returns one of these samples; an expected failure (timeout,
+connection refused, NotSupported, GPU lost) is a field, never an exception.
+`None` in a measurement field means "not measured".
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from r3090d.modelinfo import ModelFacts
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+class GpuStatus(enum.StrEnum):
+    OK = "ok"
+    NO_LIBRARY = "no_library"  # libnvidia-ml.so (or the pynvml module) is absent
+    NO_DRIVER = "no_driver"  # the library loads, the kernel driver does not answer
+    NO_GPU = "no_gpu"  # driver fine, no device at the configured index
+    LOST = "lost"  # GpuIsLost / Unknown: the card fell off the bus, reboot needed
+    ERROR = "error"  # any other NVML failure, see detail
+    DISABLED = "disabled"  # gpu.required = false: nothing was asked of NVML
+    PENDING = "pending"  # the worker has not produced its first sample yet
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    used_bytes: int | None
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    status: GpuStatus
+    detail: str = ""
+    index: int | None = None
+    taken_at: float | None = None  # time.monotonic() when the worker finished the read
+    age_s: float | None = None  # filled in by the reader: now - taken_at
+    hung: bool = False  # the worker has been inside one NVML call past the bound
+    lost: bool = False
+    name: str | None = None
+    uuid: str | None = None
+    driver_version: str | None = None
+    cuda_driver_version: int | None = None  # NVML's encoding, e.g. 12040 for 12.4
+    compute_capability: tuple[int, int] | None = None
+    memory_total: int | None = None  # bytes
+    memory_used: int | None = None  # bytes, excluding driver-reserved (v2)
+    memory_free: int | None = None
+    memory_reserved: int | None = None
+    utilization_gpu: int | None = None  # percent
+    utilization_memory: int | None = None
+    temperature_c: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    sm_clock_mhz: int | None = None
+    mem_clock_mhz: int | None = None
+    clock_event_reasons: tuple[str, ...] | None = None
+    pcie_width: int | None = None
+    pcie_width_max: int | None = None
+    pcie_gen: int | None = None
+    pcie_gen_max: int | None = None
+    persistence_mode: bool | None = None
+    processes: tuple[GpuProcess, ...] | None = None
+    xid_errors: tuple[int, ...] = ()  # XID codes seen since the previous sample
+    xid_monitored: bool = False  # XID event registration succeeded (NotSupported on some boards)
+    field_errors: tuple[str, ...] = ()  # "call: error" for reads that failed other than NotSupported
+
+    @property
+    def usable(self) -> bool:
+        return self.status is GpuStatus.OK and not self.hung
+
+
+# -------------------------------------------------------------------------- host
+
+
+@dataclass(frozen=True)
+class PortHolder:
+    pid: int | None  # None: the socket's owner is not visible to this user
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class PortFacts:
+    host: str
+    port: int
+    free: bool | None  # None: could not be checked, see error
+    detail: str = ""  # how it was judged ("listening", "bound, not listening", ...)
+    error: str | None = None  # the check itself failed (unresolvable host, privileged port, ...)
+    holders: tuple[PortHolder, ...] = ()
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """The host as preflight sees it. None in a field means "not measured"."""
+
+    swap_total_bytes: int | None = None  # active swap, summed over /proc/swaps
+    swap_devices: tuple[str, ...] = ()
+    swappiness: int | None = None
+    governors: tuple[str, ...] | None = None  # distinct cpufreq governors across CPUs
+    port: PortFacts | None = None
+    model: ModelFacts | None = None
+
+
+# ------------------------------------------------------------------------ engine
+
+
+class HealthStatus(enum.StrEnum):
+    OK = "ok"  # HTTP 200
+    REFUSED = "refused"  # nothing listening (dead, or not yet loaded)
+    TIMEOUT = "timeout"  # busy or hung
+    HTTP = "http"  # any other HTTP status, see http_status (503 = EngineDeadError)
+    ERROR = "error"  # other transport failure, see detail
+    SKIPPED = "skipped"  # not probed (no engine process)
+
+
+@dataclass(frozen=True)
+class HealthSample:
+    status: HealthStatus
+    http_status: int | None = None
+    latency_s: float | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """What vLLM's /metrics says about the served model. Counters are cumulative."""
+
+    error: str | None = None  # why the text could not be read or parsed
+    kv_usage: float | None = None  # 0..1
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+    free_blocks: float | None = None  # (num_gpu_blocks - 1) * (1 - kv_usage)
+    running: float | None = None
+    waiting: float | None = None
+    preemptions_total: float | None = None
+    generation_tokens_total: float | None = None
+    prompt_tokens_total: float | None = None
+    kv_cache_size_tokens: int | None = None
+    cache_config: tuple[tuple[str, str], ...] = ()  # labels of vllm:cache_config_info
+    itl_sum: float | None = None  # vllm:inter_token_latency_seconds_sum
+    itl_count: float | None = None
+
+
+@dataclass(frozen=True)
+class InferenceProbeSample:
+    """Latest result of the active completion probe (run off the loop)."""
+
+    sent_at: float | None = None  # monotonic
+    finished_at: float | None = None
+    ok: bool | None = None  # None while in flight or never sent
+    detail: str = ""
+    consecutive_failures: int = 0
+
+
+# ------------------------------------------------------------------------- child
+
+
+@dataclass(frozen=True)
+class ChildSample:
+    """The engine process tree as the supervisor sees it."""
+
+    pid: int | None = None  # main pid of the current (or last) engine
+    alive: bool = False  # the main pid has not exited
+    started_at: float | None = None  # monotonic
+    exit_code: int | None = None  # returncode of the main pid (negative = signal)
+    exited_at: float | None = None
+    stop_requested: bool = False  # r3090d asked it to stop; the exit is expected
+    stopping: bool = False  # a stop sequence is in progress
+    tree_pids: tuple[int, ...] = ()  # live processes of the engine's process group
+    spawn_error: str | None = None  # the spawn itself failed (bad python path, ...)
+    generation: int = 0  # increments at each spawn
+
+    @property
+    def tree_gone(self) -> bool:
+        return not self.alive and not self.tree_pids and not self.stopping
+
+
+# -------------------------------------------------------------------- snapshot
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    now: float  # monotonic seconds, the same clock as every *_at field
+    wall: float  # time.time(), for records only
+    child: ChildSample
+    health: HealthSample
+    engine: EngineSample
+    gpu: GpuSample
+    inference: InferenceProbeSample = field(default_factory=InferenceProbeSample)
+    shutdown_requested: bool = False
+    # Requests from the control plane, consumed by this tick's decide().
+    restart_requested: str | None = None  # "drain" | "fast" | None
+    maintenance: bool | None = None  # None = no change requested
+
+
+# ----------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class StartEngine:
+    reason: str
+
+
+@dataclass(frozen=True)
+class StopEngine:
+    drain: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class SendAlert:
+    key: str
+    severity: str  # "info" | "warning" | "critical"
+    state: str  # "firing" | "reminder" | "resolved"
+    summary: str  # one line: the syslog message and the email subject's tail
+    detail: str = ""  # optional longer text for the email body (evidence, numbers, hints)
+
+
+@dataclass(frozen=True)
+class RecordRestart:
+    """Write a restart forensics record."""
+
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class SendInferenceProbe:
+    pass
+
+
+@dataclass(frozen=True)
+class Exit:
+    code: int
+    reason: str
+
+
+Action = StartEngine | StopEngine | SendAlert | RecordRestart | SendInferenceProbe | Exit

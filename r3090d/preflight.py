@@ -1,0 +1,417 @@
+"""Preflight verdicts: pure functions from gathered facts to CheckResults.
+
+No I/O here: `r3090d.preflight_facts.gather()` collects a PreflightFacts
+(one NVML reading, /proc and /sys, the port, the model directory, the
+engine's vLLM version) and `run_checks()` judges it against the config.
+
+Each failure says whether it is permanent (the host cannot run the engine
+until someone changes something: exit 69, no restart) or transient (a port
+or VRAM held by another process, which may go away: retry for
+preflight.transient_give_up_s).
+
+The daemon's own engine is not a foreign process: pids passed in
+`own_pids` may hold the port and VRAM.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+from r3090d import exitcodes
+from r3090d.cards import CARDS, CardProfile
+from r3090d.config import Config
+from r3090d.model import GpuSample, GpuStatus, HostFacts
+from r3090d.plan import PlanError, estimate_weights, kv_bytes_per_token, shape_from_config
+
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# NVML's total differs from the marketing size by a few hundred MiB on some boards.
+CARD_MEMORY_TOLERANCE = 0.03
+# Below this GPU utilization the link generation may legitimately be lowered.
+PCIE_GEN_LOAD_PERCENT = 30
+
+
+class Status(enum.StrEnum):
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "fail"
+    SKIP = "skip"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    status: Status
+    measured: str
+    expected: str
+    hint: str = ""
+    permanent: bool = True  # for FAIL: True = needs a human; False = may clear by itself
+
+
+@dataclass(frozen=True)
+class PreflightFacts:
+    gpu: GpuSample
+    host: HostFacts
+    engine_version: str | None = None  # vLLM version of engine.python
+    engine_error: str | None = None  # why it could not be read
+    own_pids: frozenset[int] = frozenset()  # the daemon's running engine tree
+    pid_names: tuple[tuple[int, str], ...] = ()  # names of processes holding VRAM, where known
+
+
+# ------------------------------------------------------------------- helpers
+
+
+def _mib(n: int | None) -> str:
+    return "?" if n is None else f"{n / MIB:.0f} MiB"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def parse_version(text: str | None) -> tuple[int, ...] | None:
+    m = re.match(r"\s*(\d+(?:\.\d+)*)", text or "")
+    return tuple(int(p) for p in m.group(1).split(".")) if m else None
+
+
+def _version_at_least(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    n = max(len(have), len(want))
+    return have + (0,) * (n - len(have)) >= want + (0,) * (n - len(want))
+
+
+def extra_arg(args: list | tuple, flag: str) -> str | None:
+    """The value of `flag` in engine.extra_args ("--flag value" or "--flag=value"), last one wins."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif isinstance(arg, str) and arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _own(pids, own: frozenset[int]) -> list[int]:
+    return sorted(p for p in pids if p in own)
+
+
+def _cuda(version: int | None) -> str:
+    return f"CUDA {version // 1000}.{version % 1000 // 10}" if version else "CUDA ?"
+
+
+def card_matches(gpu: GpuSample, profile: CardProfile) -> bool:
+    if gpu.name is None or not re.search(profile.name_pattern, gpu.name):
+        return False
+    if gpu.memory_total is not None and abs(gpu.memory_total / MIB - profile.memory_mib) > CARD_MEMORY_TOLERANCE * profile.memory_mib:
+        return False
+    return gpu.compute_capability is None or tuple(gpu.compute_capability) == profile.compute_capability
+
+
+def exit_code(results: list[CheckResult]) -> int:
+    """0 all ok or skipped, 1 warnings only, 2 any failure (the monitoring-plugin scheme)."""
+    statuses = {r.status for r in results}
+    if Status.FAIL in statuses:
+        return exitcodes.CRITICAL
+    if Status.WARN in statuses:
+        return exitcodes.WARNING
+    return exitcodes.OK
+
+
+def failures(results: list[CheckResult], *, permanent: bool | None = None) -> list[CheckResult]:
+    """Failed checks; permanent=True/False narrows to those that need a human / may clear."""
+    return [r for r in results if r.status is Status.FAIL and (permanent is None or r.permanent is permanent)]
+
+
+# -------------------------------------------------------------------- checks
+
+GPU_CHECKS = ("driver", "card", "pcie_width", "pcie_gen", "persistence", "vram", "model_fit")
+
+
+def run_checks(facts: PreflightFacts, cfg: Config) -> list[CheckResult]:
+    results: list[CheckResult] = []
+    if not cfg.gpu.required:
+        results += [CheckResult(n, Status.SKIP, "not checked", "", "gpu.required = false") for n in GPU_CHECKS]
+    elif not facts.gpu.usable:
+        results.append(check_gpu_reading(facts.gpu, cfg))
+        results += [CheckResult(n, Status.SKIP, "no GPU reading", "", "see the driver check") for n in GPU_CHECKS[1:]]
+    else:
+        gpu = facts.gpu
+        profile = CARDS.get(cfg.gpu.card)
+        matches = profile is not None and card_matches(gpu, profile)
+        results += [
+            check_driver(gpu, cfg),
+            check_card(gpu, profile),
+            check_pcie_width(gpu, profile if matches else None),
+            check_pcie_gen(gpu, profile if matches else None),
+            check_persistence(gpu, cfg),
+            check_vram(gpu, cfg, facts),
+            check_model_fit(gpu, facts.host, cfg),
+        ]
+    results += [
+        check_swap(facts.host),
+        check_swappiness(facts.host, cfg),
+        check_governor(facts.host, cfg),
+        check_port(facts.host, facts.own_pids),
+        check_vllm(facts, cfg),
+    ]
+    return results
+
+
+def check_gpu_reading(gpu: GpuSample, cfg: Config) -> CheckResult:
+    """The driver row when there is no usable GPU reading: say why, once."""
+    expected = f">= {cfg.gpu.min_driver}, GPU {cfg.gpu.index}"
+    if gpu.hung:
+        return CheckResult("driver", Status.FAIL, gpu.detail or "NVML does not answer", expected,
+                           "the driver hangs (nvidia-smi will too); check dmesg and reboot")  # fmt: skip
+    hints = {
+        GpuStatus.NO_LIBRARY: f"install the NVIDIA driver ({cfg.gpu.min_driver} or newer), or set gpu.required = false",
+        GpuStatus.NO_DRIVER: "load the kernel module (modprobe nvidia) or reinstall the driver; check dmesg",
+        GpuStatus.NO_GPU: "check gpu.index against `nvidia-smi -L`",
+        GpuStatus.LOST: "the GPU fell off the bus: check dmesg for XID 79, reseat power and the card, reboot",
+        GpuStatus.PENDING: "NVML has not answered yet",
+    }
+    detail = gpu.detail or gpu.status.value
+    return CheckResult("driver", Status.FAIL, detail, expected, hints.get(gpu.status, "see the error; `nvidia-smi` may say more"))
+
+
+def check_driver(gpu: GpuSample, cfg: Config) -> CheckResult:
+    want = parse_version(cfg.gpu.min_driver) or (0,)
+    have = parse_version(gpu.driver_version)
+    expected = f">= {cfg.gpu.min_driver}"
+    if have is None:
+        return CheckResult("driver", Status.WARN, "version not reported", expected, "check `nvidia-smi`")
+    measured = f"{gpu.driver_version} ({_cuda(gpu.cuda_driver_version)})"
+    if not _version_at_least(have, want):
+        return CheckResult("driver", Status.FAIL, measured, expected, f"install driver {cfg.gpu.min_driver} or newer")
+    return CheckResult("driver", Status.OK, measured, expected)
+
+
+def _card_text(name, memory_mib, cc) -> str:
+    cc_text = f"CC {cc[0]}.{cc[1]}" if cc else "CC ?"
+    mem = f"{memory_mib:.0f} MiB" if memory_mib is not None else "? MiB"
+    return f"{name or '?'}, {mem}, {cc_text}"
+
+
+def check_card(gpu: GpuSample, profile: CardProfile | None) -> CheckResult:
+    measured = _card_text(gpu.name, gpu.memory_total / MIB if gpu.memory_total is not None else None, gpu.compute_capability)
+    if profile is None:
+        return CheckResult("card", Status.OK, measured, "any (gpu.card = any)")
+    expected = _card_text(profile.label, profile.memory_mib, profile.compute_capability)
+    if card_matches(gpu, profile):
+        return CheckResult("card", Status.OK, measured, expected)
+    return CheckResult("card", Status.WARN, measured, expected,
+                       f"not the {profile.label} that gpu.card = {profile.key!r} describes; set gpu.card to match, or 'any'")  # fmt: skip
+
+
+def check_pcie_width(gpu: GpuSample, profile: CardProfile | None) -> CheckResult:
+    cur, top = gpu.pcie_width, gpu.pcie_width_max
+    if cur is None or top is None:
+        return CheckResult("pcie_width", Status.SKIP, "not reported", "", "NVML does not report the link width here")
+    want = profile.pcie_width if profile is not None else top
+    expected = f"x{want}" + ("" if profile is not None else " (the maximum the card reports)")
+    measured = f"x{cur} of x{top}"
+    if cur == top == want:
+        return CheckResult("pcie_width", Status.OK, measured, expected)
+    if top < want:
+        hint = (f"the slot only offers x{top}: move the card to a full x{want} slot wired to the CPU, "
+                "and check the BIOS lane setting (some boards default that slot to x4)")  # fmt: skip
+    else:
+        hint = f"the link trained at x{cur} of x{top}: reseat the card, check the riser, and check the BIOS slot setting"
+    return CheckResult("pcie_width", Status.FAIL, measured, expected, hint)
+
+
+def check_pcie_gen(gpu: GpuSample, profile: CardProfile | None) -> CheckResult:
+    cur, top = gpu.pcie_gen, gpu.pcie_gen_max
+    if cur is None or top is None:
+        return CheckResult("pcie_gen", Status.SKIP, "not reported", "", "NVML does not report the link generation here")
+    measured = f"Gen{cur} of Gen{top}"
+    if profile is not None and top < profile.pcie_gen:
+        return CheckResult("pcie_gen", Status.WARN, measured, f"Gen{profile.pcie_gen}",
+                           f"the slot or BIOS limits the link to Gen{top}; set the slot to Gen{profile.pcie_gen} or Auto in the BIOS")  # fmt: skip
+    expected = f"Gen{top} under load"
+    if cur >= top:
+        return CheckResult("pcie_gen", Status.OK, measured, expected)
+    util = gpu.utilization_gpu
+    if util is not None and util >= PCIE_GEN_LOAD_PERCENT:
+        return CheckResult("pcie_gen", Status.WARN, f"{measured} at {util}% load", expected,
+                           "the link stays below its maximum under load: check the slot, riser and BIOS PCIe setting")  # fmt: skip
+    return CheckResult("pcie_gen", Status.OK, f"{measured} at idle", expected,
+                       "GeForce cards lower the link generation at idle to save power; judge it under load")  # fmt: skip
+
+
+def check_persistence(gpu: GpuSample, cfg: Config) -> CheckResult:
+    want = cfg.gpu.expect_persistence
+    if gpu.persistence_mode is None:
+        return CheckResult("persistence", Status.SKIP, "not reported", want)
+    measured = "on" if gpu.persistence_mode else "off"
+    if want == "report":
+        return CheckResult("persistence", Status.OK, measured, "report only (gpu.expect_persistence)")
+    if measured == want:
+        return CheckResult("persistence", Status.OK, measured, want)
+    return CheckResult("persistence", Status.WARN, measured, want,
+                       f"nvidia-smi -pm {1 if want == 'on' else 0} (or nvidia-persistenced), or set gpu.expect_persistence")  # fmt: skip
+
+
+def _gpu_memory_utilization(cfg: Config) -> float:
+    profile = cfg.active_profile
+    if profile is not None:
+        return profile.gpu_memory_utilization
+    raw = extra_arg(cfg.engine.extra_args, "--gpu-memory-utilization")
+    try:
+        return float(raw) if raw is not None else VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
+    except ValueError:
+        return VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
+
+
+def check_vram(gpu: GpuSample, cfg: Config, facts: PreflightFacts) -> CheckResult:
+    util = _gpu_memory_utilization(cfg)
+    if gpu.memory_total is None or gpu.memory_free is None:
+        return CheckResult("vram", Status.SKIP, "memory not reported", "")
+    need = util * gpu.memory_total
+    expected = f"no other process; free >= {util:g} x {_mib(gpu.memory_total)} = {need / MIB:.0f} MiB"
+    procs = gpu.processes or ()
+    names = dict(facts.pid_names)
+    foreign = [p for p in procs if p.pid not in facts.own_pids]
+    own = _own((p.pid for p in procs), facts.own_pids)
+    if foreign:
+        held = ", ".join(
+            f"pid {p.pid}" + (f" ({', '.join(x for x in (names.get(p.pid), _mib(p.used_bytes) if p.used_bytes is not None else None) if x)})"
+                              if p.pid in names or p.used_bytes is not None else "")
+            for p in foreign
+        )  # fmt: skip
+        return CheckResult("vram", Status.FAIL, f"held by {held}", expected,
+                           "stop that process (an engine left over from a crash keeps VRAM until killed)", permanent=False)  # fmt: skip
+    if own:
+        return CheckResult("vram", Status.OK, f"held by r3090d's engine (pid {', '.join(map(str, own))})", expected)
+    measured = f"{_mib(gpu.memory_free)} free of {_mib(gpu.memory_total)}"
+    if gpu.processes is None:
+        measured += " (process list not reported)"
+    if gpu.memory_free >= need:
+        return CheckResult("vram", Status.OK, measured, expected)
+    return CheckResult("vram", Status.FAIL, measured, expected,
+                       "something outside NVML's process list holds VRAM (a display server, another container); "
+                       "free it or lower gpu_memory_utilization", permanent=False)  # fmt: skip
+
+
+def _max_model_len(cfg: Config, config_max: int | None) -> tuple[int | None, str]:
+    profile = cfg.active_profile
+    if profile is not None:
+        return profile.max_model_len, "max_model_len"
+    raw = extra_arg(cfg.engine.extra_args, "--max-model-len")
+    if raw is not None and str(raw).isdigit():
+        return int(raw), "--max-model-len"
+    return config_max, "max_position_embeddings"  # vLLM's default: the model's own limit
+
+
+def check_model_fit(gpu: GpuSample, host: HostFacts, cfg: Config) -> CheckResult:
+    """Weights plus the KV cache of one max_model_len sequence within gpu_memory_utilization x total.
+
+    vLLM refuses to start when the KV cache cannot hold one full-length
+    sequence. Activations and CUDA graphs need more on top, so passing this
+    is necessary, not sufficient; a failure is certain, hence permanent.
+    """
+    model = host.model
+    if model is None:
+        return CheckResult("model_fit", Status.SKIP, "engine.model is not a local directory", "", "sizes are read from a local model directory")
+    if not model.is_dir or model.config is None:
+        return CheckResult("model_fit", Status.FAIL, model.error or "config.json missing", "a model directory with config.json",
+                           "point engine.model at the model directory")  # fmt: skip
+    if any(w.error for w in model.weight_files):
+        return CheckResult("model_fit", Status.FAIL, model.error or "unreadable weights", "readable safetensors",
+                           "re-download the damaged or missing weight files")  # fmt: skip
+    if gpu.memory_total is None:
+        return CheckResult("model_fit", Status.SKIP, "GPU memory not reported", "")
+    try:
+        shape = shape_from_config(model.config)
+    except PlanError as exc:
+        return CheckResult("model_fit", Status.WARN, f"config.json: {exc}", "", "cannot judge the fit before loading")
+    weights, source = model.weight_bytes, "safetensors"
+    if weights is None:
+        try:
+            weights, source = estimate_weights(shape).bytes, "estimated from config.json"
+        except PlanError as exc:
+            return CheckResult("model_fit", Status.WARN, f"weight size unknown: {exc}", "", "cannot judge the fit before loading")
+    max_len, len_source = _max_model_len(cfg, shape.max_position_embeddings)
+    kv_dtype = extra_arg(cfg.engine.extra_args, "--kv-cache-dtype") or "auto"
+    try:
+        per_token = kv_bytes_per_token(shape, kv_dtype)
+    except PlanError:
+        per_token = None
+    kv = per_token * max_len if per_token is not None and max_len is not None else 0
+    util = _gpu_memory_utilization(cfg)
+    budget = util * gpu.memory_total
+    need = weights + kv
+    kv_text = f"KV {_gib(kv)} for one {max_len}-token sequence" if kv else "KV size unknown"
+    measured = f"weights {_gib(weights)} ({source}) + {kv_text} = {_gib(need)}"
+    expected = f"<= {util:g} x {_gib(gpu.memory_total)} = {_gib(budget)}"
+    if need > budget:
+        return CheckResult("model_fit", Status.FAIL, measured, expected,
+                           f"short by {_gib(need - budget)}: use a smaller or quantized model, lower {len_source}, "
+                           "or raise gpu_memory_utilization")  # fmt: skip
+    return CheckResult("model_fit", Status.OK, f"{measured}; {_gib(budget - need)} left for more KV and activations", expected)
+
+
+def check_swap(host: HostFacts) -> CheckResult:
+    if host.swap_total_bytes is None:
+        return CheckResult("swap", Status.SKIP, "/proc/swaps not readable", "off")
+    if host.swap_total_bytes == 0:
+        return CheckResult("swap", Status.OK, "off", "off")
+    return CheckResult("swap", Status.WARN, f"{_mib(host.swap_total_bytes)} on {', '.join(host.swap_devices)}", "off",
+                       "swapoff -a, and remove the swap lines from /etc/fstab")  # fmt: skip
+
+
+def check_swappiness(host: HostFacts, cfg: Config) -> CheckResult:
+    limit = cfg.preflight.max_swappiness
+    if host.swappiness is None:
+        return CheckResult("swappiness", Status.SKIP, "not readable", f"<= {limit}")
+    if host.swappiness <= limit:
+        return CheckResult("swappiness", Status.OK, str(host.swappiness), f"<= {limit}")
+    return CheckResult("swappiness", Status.WARN, str(host.swappiness), f"<= {limit}",
+                       "sysctl vm.swappiness=1, and persist it in /etc/sysctl.d/")  # fmt: skip
+
+
+def check_governor(host: HostFacts, cfg: Config) -> CheckResult:
+    want = cfg.preflight.governor
+    if not want:
+        return CheckResult("governor", Status.SKIP, "not checked", "", "preflight.governor is empty")
+    if host.governors is None:
+        return CheckResult("governor", Status.SKIP, "no cpufreq on this host", want)
+    if host.governors == (want,):
+        return CheckResult("governor", Status.OK, want, want)
+    return CheckResult("governor", Status.WARN, ", ".join(host.governors), want,
+                       f"cpupower frequency-set -g {want} (persist it with a unit or the distribution's tool)")  # fmt: skip
+
+
+def check_port(host: HostFacts, own_pids: frozenset[int]) -> CheckResult:
+    port = host.port
+    if port is None:
+        return CheckResult("port", Status.SKIP, "not checked", "")
+    where = f"{port.host}:{port.port}"
+    expected = f"{where} free"
+    if port.error:
+        return CheckResult("port", Status.FAIL, port.error, expected, "fix engine.host / engine.port")
+    if port.free is None:
+        return CheckResult("port", Status.SKIP, "could not be checked", expected)
+    if port.free:
+        return CheckResult("port", Status.OK, port.detail or "free", expected)
+    pids = [h.pid for h in port.holders if h.pid is not None]
+    own = _own(pids, own_pids)
+    if pids and len(own) == len(pids):
+        return CheckResult("port", Status.OK, f"held by r3090d's engine (pid {', '.join(map(str, own))})", expected)
+    if not pids and own_pids:
+        return CheckResult("port", Status.OK, f"in use ({port.detail}), owner not visible; r3090d's engine is running "
+                           f"(pid {', '.join(map(str, sorted(own_pids)))})", expected)  # fmt: skip
+    foreign = [h for h in port.holders if h.pid not in own_pids]
+    who = ", ".join(f"pid {h.pid}" + (f" ({h.name})" if h.name else "") for h in foreign if h.pid is not None)
+    measured = f"in use ({port.detail})" + (f" by {who}" if who else "")
+    return CheckResult("port", Status.FAIL, measured, expected, "stop that process or change engine.port", permanent=False)
+
+
+def check_vllm(facts: PreflightFacts, cfg: Config) -> CheckResult:
+    expected = f"vLLM installed for {cfg.engine.python}"
+    if facts.engine_version:
+        return CheckResult("vllm", Status.OK, f"vLLM {facts.engine_version}", expected)
+    return CheckResult("vllm", Status.FAIL, facts.engine_error or "not found", expected,
+                       "install vLLM into that venv (make engine), or point engine.python at the venv's python")  # fmt: skip

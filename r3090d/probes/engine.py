@@ -1,0 +1,484 @@
+"""The engine probe: vLLM's /health and /metrics over HTTP, and a pure parse of /metrics.
+
+`parse` is pure and is the boundary for untrusted text: whatever it is given, it
+returns an EngineSample and never raises. The fetchers are thin I/O around
+requests; an expected failure (refused, timeout, HTTP error, oversized body) is a
+field or an error string, never an exception.
+
+Why the parse looks the way it does: a real /metrics payload is about 50 KB and
+over 600 lines, of which we need about ten. prometheus_client parses character by
+character, so a full parse costs tens of milliseconds. We pick out the wanted
+sample lines first (one compiled pattern anchored on a line start: a label value
+cannot hold a raw newline, so a line is always a whole sample). Each line's label
+block, the only part where quoting and escaping matter, is parsed by
+prometheus_client; label blocks repeat from poll to poll (the 1 KB
+vllm:cache_config_info one never changes), so that parse is memoized on the exact
+block text. The value after the block is a plain float.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import socket
+import time
+from collections.abc import Iterable
+
+import requests
+import urllib3.exceptions
+from prometheus_client.parser import text_string_to_metric_families
+
+from r3090d.model import EngineSample, HealthSample, HealthStatus
+
+MAX_METRICS_BYTES = 8 * 1024 * 1024
+# parse() refuses text longer than the fetcher could ever return.
+MAX_TEXT_CHARS = MAX_METRICS_BYTES
+
+KV_USAGE = "vllm:kv_cache_usage_perc"
+KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # before vLLM 0.12
+CACHE_CONFIG = "vllm:cache_config_info"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+PREEMPTIONS = "vllm:num_preemptions_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+ITL = "vllm:inter_token_latency_seconds"
+ITL_OLD = "vllm:time_per_output_token_seconds"  # the same histogram's former name
+
+# Sample names as they appear on a line. Counters keep their _total here: we read
+# sample names, never family names, so prometheus_client's stripping of _total
+# from a counter family's name does not concern us.
+WANTED_SAMPLES = (
+    KV_USAGE,
+    KV_USAGE_OLD,
+    CACHE_CONFIG,
+    RUNNING,
+    WAITING,
+    PREEMPTIONS,
+    GENERATION_TOKENS,
+    PROMPT_TOKENS,
+    ITL + "_sum",
+    ITL + "_count",
+    ITL_OLD + "_sum",
+    ITL_OLD + "_count",
+)
+
+# A wanted line starts right after a newline with a wanted name followed by the
+# label block or the value separator; `vllm:num_requests_waiting_by_reason` must
+# not match `vllm:num_requests_waiting`. The literal "\nvllm:" prefix lets the
+# regex engine skip ahead between candidate lines, so this is one fast scan.
+# HELP and TYPE lines are left out on purpose: they carry nothing we read and are
+# the costliest lines for prometheus_client's parser.
+_WANTED_SAMPLE = (
+    r"(vllm:(?:" + "|".join(re.escape(name[len("vllm:") :]) for name in WANTED_SAMPLES) + r"))([{ \t][^\n]*)"
+)
+_WANTED_LINE = re.compile(r"\n" + _WANTED_SAMPLE)
+_WANTED_FIRST_LINE = re.compile(_WANTED_SAMPLE)  # the first line has no newline before it
+
+_MAX_DETAIL = 200
+
+
+def _short(text: str, limit: int = _MAX_DETAIL) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------- parse
+
+
+def parse(text: str, model_name: str) -> EngineSample:
+    """Read the served model's KV cache, queue and token counters from /metrics text.
+
+    Only series whose `model_name` label equals `model_name` count; with an empty
+    `model_name`, the single model on the endpoint is taken. Series of several
+    engines of that model (data parallel) are summed, except KV usage, where the
+    fullest engine is reported. `error` is set when the text is unusable (empty,
+    truncated, oversized, malformed, not vLLM, or no series for the model) and
+    then every field is None; it is also set, with the other fields filled, when
+    the KV-cache usage gauge alone is missing, because the KV rules are blind then.
+    """
+    try:
+        return _parse(text, model_name)
+    except Exception as exc:  # noqa: BLE001 - the boundary for untrusted text: never raise
+        return EngineSample(error=_short(f"metrics parse failed: {type(exc).__name__}: {exc}"))
+
+
+def _parse(text: str, model_name: str) -> EngineSample:
+    if not isinstance(text, str):
+        return EngineSample(error=f"metrics text is {type(text).__name__}, not str")
+    if len(text) > MAX_TEXT_CHARS:
+        return EngineSample(error=f"metrics text too large: {len(text)} chars (limit {MAX_TEXT_CHARS})")
+    if not text.strip():
+        return EngineSample(error="metrics text is empty")
+    # The exposition format ends every line, the last included, with a newline, so
+    # a body without one was cut off mid-line.
+    if not text.endswith("\n"):
+        return EngineSample(error="metrics text truncated: the last line has no newline")
+
+    lines = _WANTED_LINE.findall(text)
+    if first := _WANTED_FIRST_LINE.match(text):
+        lines.insert(0, first.groups())
+    if not lines:
+        if "vllm:" not in text:
+            return EngineSample(
+                error="no vllm: metrics in the text (not vLLM, or started with --disable-log-stats)"
+            )
+        return EngineSample(error="none of the watched vllm: metrics are in the text")
+
+    series: dict[str, list[tuple[dict[str, str], float]]] = {}
+    configs: list[tuple[tuple[str, str], ...]] = []
+    try:
+        for name, tail in lines:
+            labels, value = _read_sample_tail(tail)
+            if name == CACHE_CONFIG:
+                configs.append(tuple(sorted(labels)))
+            else:
+                series.setdefault(name, []).append((dict(labels), value))
+    except ValueError as exc:
+        return EngineSample(error=_short(f"malformed metrics line: {exc}"))
+
+    chosen = _series_of_model(series, model_name)
+    if isinstance(chosen, str):
+        return EngineSample(error=chosen)
+    engines = {labels.get("engine") for rows in chosen.values() for labels, _ in rows}
+    cache_config = _pick_cache_config(configs, engines, model_name)
+    return _build_sample(chosen, cache_config, model_name)
+
+
+def _read_sample_tail(tail: str) -> tuple[tuple[tuple[str, str], ...], float]:
+    """(labels, value) from what follows a sample's name. Raises ValueError when malformed."""
+    labels: tuple[tuple[str, str], ...] = ()
+    rest = tail
+    if tail.startswith("{"):
+        # The value and timestamp after the block hold no "}", so the last one
+        # closes the block even when a quoted label value contains "}".
+        end = tail.rfind("}")
+        if end < 0:
+            raise ValueError(f"unclosed label block: {tail[:120]}")
+        labels = _parse_label_block(tail[: end + 1])
+        rest = tail[end + 1 :]
+    tokens = rest.split()
+    if not tokens or len(tokens) > 2:
+        raise ValueError(f"expected a value and an optional timestamp, got {rest[:60]!r}")
+    value_text = tokens[0]
+    # Python's float() also takes "1_000" and non-ASCII digits; the format does not.
+    if "_" in value_text or not value_text.isascii():
+        raise ValueError(f"bad value {value_text[:60]!r}")
+    if len(tokens) == 2 and not tokens[1].lstrip("-").isdigit():
+        raise ValueError(f"bad timestamp {tokens[1][:60]!r}")
+    return labels, float(value_text)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_label_block(block: str) -> tuple[tuple[str, str], ...]:
+    """The labels of one {...} block, unescaped by prometheus_client. Raises ValueError."""
+    families = list(text_string_to_metric_families("m" + block + " 0\n"))
+    if len(families) != 1 or len(families[0].samples) != 1:
+        raise ValueError(f"bad label block: {block[:120]}")
+    return tuple(families[0].samples[0].labels.items())
+
+
+def _series_of_model(
+    series: dict[str, list[tuple[dict[str, str], float]]], model_name: str
+) -> dict[str, list[tuple[dict[str, str], float]]] | str:
+    """Keep the series of the wanted model, or say why there are none."""
+    names_seen = sorted({labels.get("model_name", "") for rows in series.values() for labels, _ in rows})
+    if not series:
+        # Only cache_config_info was found, and it names no model.
+        return "no per-model vllm: series in the text (only vllm:cache_config_info)"
+    if not model_name:
+        if len(names_seen) != 1:
+            shown = ", ".join(repr(name) for name in names_seen)
+            return f"several models on this endpoint ({shown}); configure which one to watch"
+        model_name = names_seen[0]
+    chosen = {
+        name: kept
+        for name, rows in series.items()
+        if (kept := [(labels, value) for labels, value in rows if labels.get("model_name", "") == model_name])
+    }
+    if not chosen:
+        if names_seen == [""]:
+            return f"no vllm: series carries a model_name label; expected model_name={model_name!r}"
+        shown = ", ".join(repr(name) for name in names_seen if name)
+        return (
+            f"no vllm: series for model_name={model_name!r}; /metrics names {shown}"
+            " (check engine.served_model_name)"
+        )
+    return chosen
+
+
+def _pick_cache_config(
+    configs: list[tuple[tuple[str, str], ...]], engines: set[str | None], model_name: str
+) -> tuple[tuple[str, str], ...]:
+    """cache_config_info is per engine and (in the versions seen) names no model."""
+    candidates = (
+        [c for c in configs if dict(c).get("model_name", model_name) == model_name] if model_name else configs
+    )
+    for config in candidates:
+        if dict(config).get("engine") in engines:
+            return config
+    return candidates[0] if candidates else ()
+
+
+def _finite(rows: Iterable[tuple[dict[str, str], float]]) -> list[float]:
+    return [value for _, value in rows if math.isfinite(value)]
+
+
+def _total(chosen: dict[str, list[tuple[dict[str, str], float]]], *names: str) -> float | None:
+    """Sum over engines of the first name present (the current name before the former)."""
+    for name in names:
+        values = _finite(chosen.get(name, ()))
+        if values:
+            return float(sum(values))
+    return None
+
+
+def _int_label(config: dict[str, str], key: str) -> int | None:
+    raw = config.get(key)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        pass
+    try:
+        number = float(raw)  # "None" and other words fall through to None
+    except ValueError:
+        return None
+    return int(number) if math.isfinite(number) and number.is_integer() else None
+
+
+def _build_sample(
+    chosen: dict[str, list[tuple[dict[str, str], float]]],
+    cache_config: tuple[tuple[str, str], ...],
+    model_name: str,
+) -> EngineSample:
+    kv_usage = None
+    for name in (KV_USAGE, KV_USAGE_OLD):
+        values = _finite(chosen.get(name, ()))
+        if values:
+            kv_usage = max(values)
+            break
+
+    config = dict(cache_config)
+    num_gpu_blocks = _int_label(config, "num_gpu_blocks")
+    free_blocks = None
+    if num_gpu_blocks is not None and kv_usage is not None:
+        # vLLM reports usage as 1 - free / (num_gpu_blocks - 1): one block is the null block.
+        used_fraction = min(max(kv_usage, 0.0), 1.0)
+        free_blocks = max(0.0, (num_gpu_blocks - 1) * (1.0 - used_fraction))
+
+    itl_sum, itl_count = _total(chosen, ITL + "_sum"), _total(chosen, ITL + "_count")
+    if itl_sum is None and itl_count is None:
+        itl_sum, itl_count = _total(chosen, ITL_OLD + "_sum"), _total(chosen, ITL_OLD + "_count")
+
+    error = None
+    if kv_usage is None:
+        error = f"no KV-cache usage gauge ({KV_USAGE} or {KV_USAGE_OLD}) for model_name={model_name!r}"
+    return EngineSample(
+        error=error,
+        kv_usage=kv_usage,
+        num_gpu_blocks=num_gpu_blocks,
+        block_size=_int_label(config, "block_size"),
+        free_blocks=free_blocks,
+        running=_total(chosen, RUNNING),
+        waiting=_total(chosen, WAITING),
+        preemptions_total=_total(chosen, PREEMPTIONS),
+        generation_tokens_total=_total(chosen, GENERATION_TOKENS),
+        prompt_tokens_total=_total(chosen, PROMPT_TOKENS),
+        kv_cache_size_tokens=_int_label(config, "kv_cache_size_tokens"),
+        cache_config=cache_config,
+        itl_sum=itl_sum,
+        itl_count=itl_count,
+    )
+
+
+# ------------------------------------------------------------------------ fetch
+
+# Each probe opens a fresh connection: a pooled keep-alive connection that the
+# server closes between polls would show up as a spurious failure, and loopback
+# connects cost next to nothing. Identity encoding keeps the size cap on real bytes.
+_PROBE_HEADERS = {"Connection": "close", "Accept-Encoding": "identity"}
+_CHUNK = 64 * 1024
+
+
+def _chain(exc: BaseException) -> Iterable[BaseException]:
+    """The exception and everything it wraps (cause, context, urllib3's reason, args)."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        linked = [current.__cause__, current.__context__, getattr(current, "reason", None)]
+        linked += [arg for arg in getattr(current, "args", ()) if isinstance(arg, BaseException)]
+        todo.extend(item for item in linked if isinstance(item, BaseException))
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    # urllib3's NewConnectionError subclasses its ConnectTimeoutError for history's
+    # sake; a failed connect is not a timeout.
+    if isinstance(exc, urllib3.exceptions.NewConnectionError):
+        return False
+    return isinstance(exc, requests.exceptions.Timeout | urllib3.exceptions.TimeoutError | TimeoutError)
+
+
+def _classify(exc: BaseException, timeout: float) -> tuple[HealthStatus, str]:
+    chain = list(_chain(exc))
+    if any(isinstance(e, ConnectionRefusedError) for e in chain):
+        return HealthStatus.REFUSED, "connection refused"
+    if any(_is_timeout(e) for e in chain):
+        return HealthStatus.TIMEOUT, f"no answer within {timeout:g} s"
+    return HealthStatus.ERROR, _short(f"{type(exc).__name__}: {exc}")
+
+
+def _url(base_url: str, path: str) -> str:
+    return base_url.rstrip("/") + path
+
+
+def probe_health(session: requests.Session, base_url: str, timeout: float) -> HealthSample:
+    """GET /health: ok on 200; refused, timeout, http (with the status) or error otherwise."""
+    started = time.monotonic()
+    try:
+        response = session.get(
+            _url(base_url, "/health"), timeout=(timeout, timeout), stream=True, headers=_PROBE_HEADERS
+        )
+    except Exception as exc:  # noqa: BLE001 - every transport failure is a classified sample
+        status, detail = _classify(exc, timeout)
+        return HealthSample(status=status, latency_s=time.monotonic() - started, detail=detail)
+    latency = time.monotonic() - started
+    code = response.status_code
+    _discard(response, _connection_of(response))
+    if code == 200:
+        return HealthSample(status=HealthStatus.OK, http_status=code, latency_s=latency)
+    return HealthSample(status=HealthStatus.HTTP, http_status=code, latency_s=latency, detail=f"HTTP {code}")
+
+
+def fetch_metrics(
+    session: requests.Session, base_url: str, timeout: float, max_bytes: int = MAX_METRICS_BYTES
+) -> tuple[str | None, str | None]:
+    """GET /metrics as (text, None), or (None, why). Never raises.
+
+    Connecting and waiting for the headers each get `timeout`; the body must then
+    be complete by `timeout` after the request began, so a server that trickles
+    its answer cannot hold the caller. A body over `max_bytes` is refused.
+    """
+    started = time.monotonic()
+    deadline = started + timeout
+    try:
+        response = session.get(
+            _url(base_url, "/metrics"), timeout=(timeout, timeout), stream=True, headers=_PROBE_HEADERS
+        )
+    except Exception as exc:  # noqa: BLE001
+        return None, _fetch_failure(exc, timeout)
+    connection = _connection_of(response)
+    try:
+        if response.status_code != 200:
+            return None, f"/metrics answered HTTP {response.status_code}"
+        declared = response.headers.get("Content-Length", "")
+        if declared.isdigit() and int(declared) > max_bytes:
+            return None, f"/metrics body of {int(declared)} bytes exceeds the {max_bytes}-byte cap"
+        body = _read_body(response, deadline, max_bytes)
+        if isinstance(body, str):
+            return None, body
+        return body.decode("utf-8", errors="replace"), None
+    except Exception as exc:  # noqa: BLE001
+        return None, _fetch_failure(exc, timeout)
+    finally:
+        _discard(response, connection)
+
+
+def _fetch_failure(exc: BaseException, timeout: float) -> str:
+    status, detail = _classify(exc, timeout)
+    if status is HealthStatus.TIMEOUT:
+        return f"/metrics timed out: {detail}"
+    return f"/metrics failed: {detail}"
+
+
+def _connection_of(response: requests.Response) -> object | None:
+    # Taken before the body is read: urllib3 hands the connection back to the pool
+    # once the body is complete, and forgets it.
+    return getattr(response.raw, "connection", None)
+
+
+def _discard(response: requests.Response, connection: object | None) -> None:
+    """Close the response and its connection, so no poll ever reuses a stale socket.
+
+    Not every server closes after answering a "Connection: close" request, and a
+    keep-alive socket that the server drops between two polls would fail the next
+    one. The pool reconnects a closed connection by itself.
+    """
+    for close in (response.close, getattr(connection, "close", None)):
+        if close is None:
+            continue
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - closing what we are done with cannot change the answer
+            pass
+
+
+def _read_body(response: requests.Response, deadline: float, max_bytes: int) -> bytes | str:
+    """The body as bytes, or a string saying why not."""
+    raw = response.raw
+    read_some = getattr(raw, "read1", None)  # urllib3 2: returns what has arrived, at most one recv
+    sock = getattr(getattr(raw, "connection", None), "sock", None)
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return f"/metrics body not complete within the timeout ({size} bytes read)"
+        if isinstance(sock, socket.socket):
+            # Shrink the per-recv timeout to what is left of the whole budget.
+            sock.settimeout(remaining)
+        chunk = read_some(_CHUNK) if read_some is not None else raw.read(_CHUNK)
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > max_bytes:
+            return f"/metrics body exceeds the {max_bytes}-byte cap"
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+class EngineProbe:
+    """Health and metrics of one vLLM endpoint, with its own HTTP session."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model_name: str,
+        health_timeout: float,
+        metrics_timeout: float,
+        max_bytes: int = MAX_METRICS_BYTES,
+    ):
+        self.base_url = base_url
+        self.model_name = model_name
+        self.health_timeout = health_timeout
+        self.metrics_timeout = metrics_timeout
+        self.max_bytes = max_bytes
+        self._session = requests.Session()
+        # The engine is local: proxies or .netrc credentials from the environment must not apply.
+        self._session.trust_env = False
+
+    def health(self) -> HealthSample:
+        return probe_health(self._session, self.base_url, self.health_timeout)
+
+    def metrics(self) -> tuple[EngineSample, str | None]:
+        """The parsed sample and the raw text (None when the fetch failed)."""
+        text, error = fetch_metrics(self._session, self.base_url, self.metrics_timeout, self.max_bytes)
+        if text is None:
+            return EngineSample(error=error), None
+        return parse(text, self.model_name), text
+
+    def close(self) -> None:
+        self._session.close()
+
+    def __enter__(self) -> EngineProbe:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

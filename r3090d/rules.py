@@ -1,0 +1,228 @@
+"""Watchdog rules, pure: what the latest snapshot means for a running engine.
+
+`assess()` decides whether the engine must restart (dead, hung, stalled, KV leak)
+and whether to send the active inference probe. `conditions()` says which alert
+conditions hold right now; alerting.py turns those into fire/remind/resolve.
+Both are pure and take `now` from the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from r3090d.config import MIB, Config
+from r3090d.model import GpuStatus, HealthStatus, Snapshot
+
+
+@dataclass(frozen=True)
+class WatchState:
+    """Per-engine watch counters; reset whenever a new engine starts."""
+
+    ready_at: float | None = None
+    refused_polls: int = 0
+    timeout_since: float | None = None
+    kv_low_polls: int = 0
+    kv_low_tokens_at_start: float | None = None
+    kv_low_since: float | None = None
+    kv_load: bool = False  # the last KV shortage was classified as load
+    tokens: float | None = None  # last generation_tokens_total seen
+    tokens_changed_at: float | None = None
+    preemptions: tuple[tuple[float, float], ...] = ()  # (time, total), a short window
+    probe_seen_finished_at: float | None = None
+    probe_due_at: float | None = None
+    memory_points: tuple[tuple[float, int], ...] = ()  # (time, used bytes), downsampled
+    xid_seen: tuple[int, ...] = ()  # latched: a reboot is needed
+
+
+@dataclass(frozen=True)
+class Verdict:
+    reason: str  # dead | hung | stalled | kv
+    detail: str
+    drain: bool
+
+
+@dataclass(frozen=True)
+class LifecycleFacts:
+    phase: str
+    backoff_remaining: float | None
+    restart_reason: str | None
+    give_up_reason: str | None
+
+
+@dataclass(frozen=True)
+class Condition:
+    key: str
+    active: bool
+    severity: str  # info | warning | critical
+    summary: str
+    event: bool = False  # one-shot: sent as it happens, no hysteresis, no resolve
+
+
+def _advance_tokens(snap: Snapshot, w: WatchState, now: float) -> WatchState:
+    tokens = snap.engine.generation_tokens_total
+    if tokens is None:
+        return w
+    if w.tokens is None or tokens != w.tokens:
+        return replace(w, tokens=tokens, tokens_changed_at=now)
+    return w
+
+
+def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[WatchState, Verdict | None]:
+    """Only called while the engine is READY. Returns the new counters and a restart verdict."""
+    wd = cfg.watchdog
+    if w.ready_at is None:
+        w = replace(w, ready_at=now)
+    if w.tokens_changed_at is None:
+        w = replace(w, tokens_changed_at=now)
+    w = _advance_tokens(snap, w, now)
+    w = _track_preemptions(snap, w, now)
+    w = _track_memory(snap, w, cfg, now)
+    health = snap.health
+
+    # Dead: refused for K polls, or a 503 (vLLM's answer after EngineDeadError).
+    if health.status is HealthStatus.HTTP and health.http_status == 503:
+        return w, Verdict("dead", "/health answered 503", drain=False)
+    w = replace(w, refused_polls=w.refused_polls + 1 if health.status is HealthStatus.REFUSED else 0)
+    if w.refused_polls >= wd.dead_refused_polls:
+        return w, Verdict("dead", f"/health refused for {w.refused_polls} polls", drain=False)
+
+    # Hung: /health timing out for T seconds.
+    if health.status is HealthStatus.TIMEOUT:
+        since = w.timeout_since if w.timeout_since is not None else now
+        w = replace(w, timeout_since=since)
+        if now - since >= wd.hang_timeout:
+            return w, Verdict("hung", f"/health timed out for {now - since:.0f} s", drain=False)
+    else:
+        w = replace(w, timeout_since=None)
+
+    eng = snap.engine
+    # Frozen engine, passive: requests running but no token for S seconds.
+    if eng.error is None and (eng.running or 0) > 0 and now - w.tokens_changed_at >= wd.stall_seconds:
+        return w, Verdict("stalled", f"{eng.running:.0f} running, no token generated for {now - w.tokens_changed_at:.0f} s", drain=False)
+
+    # Frozen engine, active: the probe's consecutive failures.
+    inf = snap.inference
+    if inf.finished_at is not None and inf.finished_at != w.probe_seen_finished_at:
+        w = replace(w, probe_seen_finished_at=inf.finished_at)
+        if inf.ok:
+            w = replace(w, probe_due_at=max(inf.finished_at, w.tokens_changed_at) + wd.probe_idle_seconds)
+        else:
+            w = replace(w, probe_due_at=inf.finished_at)  # retry at once
+        if not inf.ok and inf.consecutive_failures >= wd.probe_failures:
+            return w, Verdict("stalled", f"{inf.consecutive_failures} inference probes failed ({inf.detail})", drain=False)
+
+    # KV cache: low free blocks for K consecutive polls.
+    if eng.free_blocks is not None and eng.free_blocks < wd.min_free_blocks:
+        if w.kv_low_polls == 0:
+            w = replace(w, kv_low_tokens_at_start=eng.generation_tokens_total, kv_low_since=now)
+        w = replace(w, kv_low_polls=w.kv_low_polls + 1)
+        if w.kv_low_polls >= wd.kv_low_polls:
+            leak = _kv_leak(snap, w)
+            cooling = now - w.ready_at < wd.kv_cooldown
+            if (leak or wd.kv_restart_under_load) and not cooling:
+                kind = "leak" if leak else "threshold"
+                return w, Verdict("kv", f"{eng.free_blocks:.0f} free blocks < {wd.min_free_blocks} for {w.kv_low_polls} polls ({kind})", drain=True)
+            w = replace(w, kv_load=not leak)
+    elif eng.free_blocks is not None:
+        w = replace(w, kv_low_polls=0, kv_low_tokens_at_start=None, kv_low_since=None, kv_load=False)
+    return w, None
+
+
+def _kv_leak(snap: Snapshot, w: WatchState) -> bool:
+    """Leak: blocks held with nothing running, or no progress over the low window."""
+    eng = snap.engine
+    idle = (eng.kv_usage or 0) > 0 and (eng.running or 0) == 0 and (eng.waiting or 0) == 0
+    no_progress = w.kv_low_tokens_at_start is not None and eng.generation_tokens_total == w.kv_low_tokens_at_start
+    return idle or no_progress
+
+
+def probe_due(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> bool:
+    """Send the active completion probe when no token came for P seconds and none is in flight."""
+    inf = snap.inference
+    in_flight = inf.sent_at is not None and (inf.finished_at is None or inf.finished_at < inf.sent_at)
+    if in_flight or w.tokens_changed_at is None:
+        return False
+    due = w.probe_due_at if w.probe_due_at is not None else w.tokens_changed_at + cfg.watchdog.probe_idle_seconds
+    due = max(due, w.tokens_changed_at + cfg.watchdog.probe_idle_seconds) if inf.ok is not False else due
+    return now >= due
+
+
+def _track_preemptions(snap: Snapshot, w: WatchState, now: float) -> WatchState:
+    total = snap.engine.preemptions_total
+    if total is None:
+        return w
+    points = tuple(p for p in w.preemptions if now - p[0] <= 300.0) + ((now, total),)
+    return replace(w, preemptions=points)
+
+
+def preemption_rate(w: WatchState) -> float | None:
+    """Preemptions per minute over the recent window."""
+    if len(w.preemptions) < 2:
+        return None
+    (t0, v0), (t1, v1) = w.preemptions[0], w.preemptions[-1]
+    return (v1 - v0) / (t1 - t0) * 60.0 if t1 > t0 else None
+
+
+MEMORY_POINTS = 60  # the growth window is kept as about this many points
+
+
+def _track_memory(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> WatchState:
+    used = snap.gpu.memory_used if snap.gpu.usable else None
+    if used is None:
+        return w
+    step = cfg.watchdog.growth_window / MEMORY_POINTS
+    if w.memory_points and now - w.memory_points[-1][0] < step:
+        return w
+    points = tuple(p for p in w.memory_points if now - p[0] <= cfg.watchdog.growth_window) + ((now, used),)
+    return replace(w, memory_points=points)
+
+
+def memory_slope(points: tuple[tuple[float, int], ...]) -> float | None:
+    """Least-squares slope in bytes per second."""
+    n = len(points)
+    if n < 3:
+        return None
+    mt = sum(p[0] for p in points) / n
+    mv = sum(p[1] for p in points) / n
+    den = sum((p[0] - mt) ** 2 for p in points)
+    if den == 0:
+        return None
+    return sum((p[0] - mt) * (p[1] - mv) for p in points) / den
+
+
+def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: LifecycleFacts) -> list[Condition]:
+    wd = cfg.watchdog
+    g = snap.gpu
+    out: list[Condition] = []
+    if cfg.gpu.required:
+        lost = g.lost or g.status is GpuStatus.LOST
+        out.append(Condition("gpu_lost", lost, "critical", f"GPU {cfg.gpu.index} is lost ({g.detail or 'GpuIsLost'}): reboot needed"))
+        xids = tuple(sorted(set(w.xid_seen) | set(g.xid_errors)))
+        out.append(Condition("gpu_xid", bool(xids), "critical", f"XID critical errors {', '.join(map(str, xids))}: reboot needed"))
+        out.append(Condition("nvml_hung", g.hung, "warning", f"an NVML call has been stuck for {g.age_s or 0:.0f} s" if g.hung else "NVML answers again"))
+        limit = wd.gpu_memory_alert_mib * MIB
+        if g.usable and g.memory_used is not None:
+            out.append(Condition("gpu_memory", g.memory_used > limit, "warning", f"GPU memory used {g.memory_used / MIB:.0f} MiB (alert above {wd.gpu_memory_alert_mib} MiB)"))
+        if g.usable and g.temperature_c is not None:
+            out.append(Condition("gpu_temperature", g.temperature_c >= wd.temperature_warn_c, "warning", f"GPU at {g.temperature_c} C (warning at {wd.temperature_warn_c} C)"))
+        if g.usable and g.power_w is not None and g.power_limit_w:
+            out.append(Condition("gpu_power", g.power_w >= wd.power_warn_ratio * g.power_limit_w, "warning", f"GPU power {g.power_w:.0f} W of a {g.power_limit_w:.0f} W limit (warning at {wd.power_warn_ratio:.0%})"))
+        if g.usable and g.clock_event_reasons is not None:
+            hit = sorted(set(g.clock_event_reasons) & set(wd.throttle_warn_reasons))
+            out.append(Condition("gpu_throttle", bool(hit), "warning", f"GPU clocks held back: {', '.join(hit) or 'no longer'}"))
+        slope = memory_slope(w.memory_points)
+        if g.usable and g.memory_used is not None and life.phase == "ready":
+            growing = False
+            text = "GPU memory is not growing"
+            if slope is not None and slope > 0:
+                eta = (limit - g.memory_used) / slope
+                growing = 0 < eta <= wd.growth_horizon
+                text = f"GPU memory grows {slope * 3600 / MIB:.0f} MiB/h; crosses {wd.gpu_memory_alert_mib} MiB in {eta / 3600:.1f} h"
+            out.append(Condition("gpu_memory_growth", growing, "warning", text))
+    if life.phase == "ready":
+        rate = preemption_rate(w)
+        rate_text = f", {rate:.1f} preemptions/min" if rate is not None else ""
+        eng = snap.engine
+        out.append(Condition("kv_pressure", w.kv_load, "warning", f"KV cache full under load: {eng.free_blocks or 0:.0f} free blocks, {eng.running or 0:.0f} running, {eng.waiting or 0:.0f} waiting{rate_text}"))
+    out.append(Condition("engine_backoff", life.phase == "backoff" and (life.backoff_remaining or 0) > 0, "warning", f"engine restart backoff after {life.restart_reason}: {life.backoff_remaining or 0:.0f} s left"))
+    return out

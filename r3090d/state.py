@@ -1,0 +1,101 @@
+"""The daemon's persisted state: what `r3090ctl status` and the exporter read.
+
+Written atomically (write a temporary file, rename) every tick into the
+state directory, which systemd keeps across restarts, so the last word of a
+daemon that gave up is still there for `status` to show. Times in the file are
+wall-clock seconds; the policy's monotonic times are converted on the way out
+and back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from r3090d.alerting import AlertBook, AlertEntry
+
+STATE_FILE = "state.json"
+FORMAT_VERSION = 1
+
+
+def wall_offset() -> float:
+    """Add to a monotonic time to get wall-clock time."""
+    return time.time() - time.monotonic()
+
+
+def plain(obj):
+    """Dataclasses, enums and tuples as JSON-ready data."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, list | tuple):
+        return [plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    return obj
+
+
+def write_json_atomic(path: Path, data, mode: int = 0o640) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            # No fsync: the rename alone keeps readers from seeing half a file, and
+            # an fsync every tick for months is pointless wear for a file that is
+            # rewritten two seconds later.
+            json.dump(data, fh, indent=1, sort_keys=True, default=str)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def book_to_json(book: AlertBook, offset: float) -> dict:
+    def wall(t):
+        return None if t is None else t + offset
+
+    return {
+        "entries": {
+            key: {**plain(e), "since": wall(e.since), "last_sent_at": wall(e.last_sent_at)} for key, e in book.entries
+        },
+        "silenced": {key: until + offset for key, until in book.silenced},
+    }
+
+
+def book_from_json(data: dict | None, offset: float) -> AlertBook:
+    """Rebuild the alert book persisted by a previous daemon; garbage gives an empty book."""
+    if not isinstance(data, dict):
+        return AlertBook()
+
+    def mono(t):
+        return None if t is None else float(t) - offset
+
+    entries = []
+    try:
+        for key, raw in (data.get("entries") or {}).items():
+            fields = {f.name for f in dataclasses.fields(AlertEntry)}
+            raw = {k: v for k, v in raw.items() if k in fields}
+            raw["since"] = mono(raw.get("since"))
+            raw["last_sent_at"] = mono(raw.get("last_sent_at"))
+            entries.append((key, AlertEntry(**raw)))
+        silenced = tuple(sorted((k, float(u) - offset) for k, u in (data.get("silenced") or {}).items()))
+    except (TypeError, ValueError, AttributeError):
+        return AlertBook()
+    return AlertBook(entries=tuple(sorted(entries)), silenced=silenced)

@@ -1,0 +1,327 @@
+"""The engine probe against real HTTP servers on 127.0.0.1: answers, errors, hangs, floods."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from r3090d.model import HealthStatus
+from r3090d.probes.engine import EngineProbe, fetch_metrics, probe_health
+
+pytestmark = pytest.mark.component
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+KV_FULL = (DATA / "vllm-0.32-metrics-kv-full.txt").read_text()
+IDLE = (DATA / "vllm-0.32-metrics-idle.txt").read_text()
+MODEL = "tiny"
+
+Route = Callable[[http.server.BaseHTTPRequestHandler, threading.Event], None]
+
+
+def send(
+    handler, status: int, body: bytes = b"", content_type: str = "text/plain; version=0.0.4; charset=utf-8"
+):
+    handler.send_response(status)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def answer(status: int, body: str | bytes = b"") -> Route:
+    data = body.encode() if isinstance(body, str) else body
+    return lambda handler, stop: send(handler, status, data)
+
+
+def stream_without_length(total: int) -> Route:
+    """A body with no Content-Length, ended by closing the connection."""
+
+    def route(handler, stop):
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/plain")
+        handler.send_header("Connection", "close")
+        handler.end_headers()
+        line = b"# filler " + b"x" * 1000 + b"\n"
+        sent = 0
+        try:
+            while sent < total and not stop.is_set():
+                handler.wfile.write(line)
+                sent += len(line)
+        except OSError:
+            pass  # the client hung up, as it should past the cap
+        handler.close_connection = True
+
+    return route
+
+
+def trickle(interval: float, limit_s: float) -> Route:
+    """Headers at once, then one byte per interval: a server that is alive but never done."""
+
+    def route(handler, stop):
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/plain")
+        handler.send_header("Content-Length", str(len(KV_FULL)))
+        handler.end_headers()
+        deadline = time.monotonic() + limit_s
+        try:
+            for byte in KV_FULL.encode():
+                if stop.is_set() or time.monotonic() > deadline:
+                    break
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+                time.sleep(interval)
+        except OSError:
+            pass
+        handler.close_connection = True
+
+    return route
+
+
+def short_body(route_body: bytes, declared: int) -> Route:
+    """Declares more bytes than it sends, then closes: a server that died mid-answer."""
+
+    def route(handler, stop):
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(declared))
+        handler.end_headers()
+        handler.wfile.write(route_body)
+        handler.close_connection = True
+
+    return route
+
+
+class FakeEngine:
+    """A real threaded HTTP server on an ephemeral loopback port, driven by a route table."""
+
+    def __init__(self, routes: dict[str, Route]):
+        self.routes = routes
+        self.stop = threading.Event()
+        self.requests: list[tuple[str, dict[str, str]]] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                outer.requests.append((self.path, dict(self.headers)))
+                route = outer.routes.get(self.path)
+                if route is None:
+                    send(self, 404, b"not found\n")
+                else:
+                    route(self, outer.stop)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.server.block_on_close = False
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self.thread.start()
+
+    def close(self):
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[dict[str, Route]], FakeEngine]]:
+    started: list[FakeEngine] = []
+
+    def start(routes: dict[str, Route]) -> FakeEngine:
+        server = FakeEngine(routes)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.close()
+
+
+@pytest.fixture
+def silent_url() -> Iterator[str]:
+    """Accepts connections (the kernel completes the handshake) and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
+
+
+@pytest.fixture
+def closed_url() -> str:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    holder.close()
+    return f"http://127.0.0.1:{port}"
+
+
+# -------------------------------------------------------------------- health
+
+
+def test_health_ok(serve):
+    engine = serve({"/health": answer(200)})
+    with EngineProbe(engine.url, MODEL, health_timeout=2, metrics_timeout=2) as probe:
+        sample = probe.health()
+    assert sample.status is HealthStatus.OK
+    assert sample.http_status == 200
+    assert sample.latency_s is not None and 0 <= sample.latency_s < 2
+
+
+def test_health_503_is_http_with_status(serve):
+    engine = serve({"/health": answer(503, "engine dead\n")})
+    sample = probe_health(requests.Session(), engine.url, timeout=2)
+    assert sample.status is HealthStatus.HTTP
+    assert sample.http_status == 503
+
+
+def test_health_refused(closed_url):
+    sample = probe_health(requests.Session(), closed_url, timeout=2)
+    assert sample.status is HealthStatus.REFUSED
+    assert sample.http_status is None
+
+
+def test_health_timeout_is_bounded(silent_url):
+    started = time.monotonic()
+    sample = probe_health(requests.Session(), silent_url, timeout=0.5)
+    elapsed = time.monotonic() - started
+    assert sample.status is HealthStatus.TIMEOUT
+    assert 0.4 <= elapsed < 3.0
+    assert "0.5 s" in sample.detail
+
+
+def test_health_connection_dropped_is_error(serve):
+    def hang_up(handler, stop):
+        handler.close_connection = True  # close without writing a status line
+
+    engine = serve({"/health": hang_up})
+    sample = probe_health(requests.Session(), engine.url, timeout=2)
+    assert sample.status is HealthStatus.ERROR
+    assert sample.detail
+
+
+@pytest.mark.parametrize("base_url", ["not a url", "ftp://127.0.0.1:1", "http://[::1"])
+def test_unusable_base_url_is_an_error_not_an_exception(base_url):
+    assert probe_health(requests.Session(), base_url, timeout=1).status is HealthStatus.ERROR
+    text, error = fetch_metrics(requests.Session(), base_url, timeout=1)
+    assert text is None and error.startswith("/metrics failed")
+
+
+def test_probe_ignores_proxy_settings_from_the_environment(serve, monkeypatch):
+    # A proxy in the environment must not catch loopback probes.
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    engine = serve({"/health": answer(200)})
+    with EngineProbe(engine.url, MODEL, health_timeout=2, metrics_timeout=2) as probe:
+        assert probe.health().status is HealthStatus.OK
+
+
+# ------------------------------------------------------------------- metrics
+
+
+@pytest.mark.parametrize(
+    ("body", "kv_usage", "free_blocks"), [(KV_FULL, 1.0, 0), (IDLE, 0.0, 32767)], ids=["kv-full", "idle"]
+)
+def test_metrics_real_capture(serve, body, kv_usage, free_blocks):
+    engine = serve({"/metrics": answer(200, body)})
+    with EngineProbe(engine.url, MODEL, health_timeout=2, metrics_timeout=2) as probe:
+        sample, raw = probe.metrics()
+    assert raw == body
+    assert sample.error is None
+    assert sample.kv_usage == kv_usage and sample.free_blocks == free_blocks
+    path, headers = engine.requests[-1]
+    assert path == "/metrics"
+    assert headers.get("Accept-Encoding") == "identity"
+
+
+def test_metrics_503(serve):
+    engine = serve({"/metrics": answer(503, "no\n")})
+    text, error = fetch_metrics(requests.Session(), engine.url, timeout=2)
+    assert text is None and "HTTP 503" in error
+
+
+def test_metrics_refused(closed_url):
+    with EngineProbe(closed_url, MODEL, health_timeout=1, metrics_timeout=1) as probe:
+        sample, raw = probe.metrics()
+    assert raw is None
+    assert sample.error is not None and "refused" in sample.error
+
+
+def test_metrics_silent_server_times_out(silent_url):
+    started = time.monotonic()
+    text, error = fetch_metrics(requests.Session(), silent_url, timeout=0.5)
+    assert text is None and "timed out" in error
+    assert time.monotonic() - started < 3.0
+
+
+def test_metrics_over_the_cap_by_content_length(serve):
+    engine = serve({"/metrics": answer(200, KV_FULL)})
+    text, error = fetch_metrics(requests.Session(), engine.url, timeout=2, max_bytes=len(KV_FULL) - 1)
+    assert text is None and "cap" in error
+
+
+def test_metrics_exactly_at_the_cap_is_read(serve):
+    engine = serve({"/metrics": answer(200, KV_FULL)})
+    text, error = fetch_metrics(requests.Session(), engine.url, timeout=2, max_bytes=len(KV_FULL.encode()))
+    assert error is None and text == KV_FULL
+
+
+def test_metrics_over_the_cap_while_streaming(serve):
+    # No Content-Length: the cap must stop the read itself, long before the 64 MB the server offers.
+    engine = serve({"/metrics": stream_without_length(64 * 1024 * 1024)})
+    started = time.monotonic()
+    text, error = fetch_metrics(requests.Session(), engine.url, timeout=5, max_bytes=1024 * 1024)
+    assert text is None and "cap" in error
+    assert time.monotonic() - started < 5
+
+
+def test_metrics_slow_trickle_is_cut_at_the_timeout(serve):
+    engine = serve({"/metrics": trickle(interval=0.02, limit_s=20)})
+    started = time.monotonic()
+    text, error = fetch_metrics(requests.Session(), engine.url, timeout=1.0)
+    elapsed = time.monotonic() - started
+    assert text is None and error is not None
+    assert "timeout" in error or "timed out" in error
+    # The whole exchange is bounded by the timeout, not each read.
+    assert 0.9 <= elapsed < 3.0
+
+
+def test_metrics_short_body_is_an_error_not_a_truncated_text(serve):
+    body = KV_FULL.encode()
+    engine = serve({"/metrics": short_body(body[:1000], declared=len(body))})
+    text, error = fetch_metrics(requests.Session(), engine.url, timeout=2)
+    assert text is None and error is not None
+
+
+def test_metrics_garbage_body_is_a_parse_error_with_the_raw_text(serve):
+    engine = serve({"/metrics": answer(200, "<html>proxy error</html>\n")})
+    with EngineProbe(engine.url, MODEL, health_timeout=2, metrics_timeout=2) as probe:
+        sample, raw = probe.metrics()
+    assert raw == "<html>proxy error</html>\n"
+    assert sample.error is not None and "no vllm: metrics" in sample.error
+
+
+def test_probe_reuses_one_session_over_many_polls(serve):
+    engine = serve({"/health": answer(200), "/metrics": answer(200, KV_FULL)})
+    with EngineProbe(engine.url + "/", MODEL, health_timeout=2, metrics_timeout=2) as probe:
+        for _ in range(20):
+            assert probe.health().status is HealthStatus.OK
+            sample, _ = probe.metrics()
+            assert sample.preemptions_total == 2
+    assert len(engine.requests) == 40
+    assert {path for path, _ in engine.requests} == {"/health", "/metrics"}

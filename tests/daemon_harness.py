@@ -1,0 +1,191 @@
+"""Run the real daemon as a subprocess against a real (or double) engine.
+
+Tests observe it the way an operator would: its state file, its log, the
+process table. Nothing inside the daemon knows it is under test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def write_config(path: Path, sections: dict) -> Path:
+    """sections: {"": {top-level keys}, "engine": {...}, "engine.env": {...}, ...}"""
+    lines = []
+    for key, value in sections.get("", {}).items():
+        lines.append(f"{key} = {toml_value(value)}")
+    for name, table in sections.items():
+        if name == "":
+            continue
+        lines.append(f"\n[{name}]")
+        for key, value in table.items():
+            lines.append(f"{key} = {toml_value(value)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def engine_config(tmp_path: Path, engine_python: str, *, extra_args=(), engine=None, watchdog=None, alerts=None, daemon=None, top=None, env=None) -> dict:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    sections = {
+        "": {"profile": "none", **(top or {})},
+        "engine": {
+            "python": engine_python,
+            "model": str(model),
+            "served_model_name": "fake-model",
+            "port": free_port(),
+            "shutdown_timeout": 5,
+            "startup_timeout": 60,
+            "extra_args": list(extra_args),
+            **(engine or {}),
+        },
+        "gpu": {"required": False},
+        "watchdog": {"poll_interval": 0.2, "health_timeout": 1.0, "metrics_timeout": 1.0, **(watchdog or {})},
+        "alerts": {**(alerts or {})},
+        "alerts.syslog": {"enabled": False},
+        "daemon": {
+            "state_dir": str(tmp_path / "state"),
+            "runtime_dir": str(tmp_path / "run"),
+            "exporter_enabled": False,
+            **(daemon or {}),
+        },
+    }
+    if env:
+        sections["engine.env"] = env
+    return sections
+
+
+class DaemonProcess:
+    def __init__(self, config_path: Path, log_path: Path, *args: str):
+        self.config_path = config_path
+        self.log_path = log_path
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+        self.state_path = None
+
+    def start(self) -> DaemonProcess:
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "r3090d", "--config", str(self.config_path), *self.args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "R3090D_CONFIG", "R3090D_INSTANCE")},
+        )
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def state(self) -> dict | None:
+        import tomllib
+
+        cfg = tomllib.loads(self.config_path.read_text())
+        path = Path(cfg["daemon"]["state_dir"]) / "state.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for(self, predicate, timeout: float, what: str, interval: float = 0.02):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.state()
+            if st is not None:
+                try:
+                    value = predicate(st)
+                except (KeyError, TypeError):
+                    value = None
+                if value:
+                    return value
+            if self.proc.poll() is not None and not predicate.__dict__.get("allow_exit"):
+                raise AssertionError(f"daemon exited {self.proc.returncode} while waiting for {what}\n{self.log()[-4000:]}")
+            time.sleep(interval)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}\nstate: {self.state()}\n{self.log()[-4000:]}")
+
+    def wait_ready(self, timeout: float = 30.0, generation_pid: int | None = None) -> dict:
+        def ready(st):
+            e = st["engine"]
+            return st if e["phase"] == "ready" and e["pid"] and e["pid"] != generation_pid else None
+
+        return self.wait_for(ready, timeout, "engine ready")
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def cleanup(self) -> None:
+        """Teardown: stop the daemon, then kill anything it left behind (and fail loudly about it elsewhere)."""
+        self.stop()
+        self._log.close()
+
+
+def group_members(pgid: int) -> list[int]:
+    out = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
+                out.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.01, what: str | None = None):
+    """Poll until `predicate()` is truthy; on timeout raise if `what` names the wait, else return the last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    value = predicate()
+    if not value and what is not None:
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    return value
+
+
+def bind_unix_dgram(path: Path, timeout: float = 5.0) -> socket.socket:
+    """A listening syslog-style socket."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.settimeout(timeout)
+    return sock

@@ -1,0 +1,3 @@
+from tests.fakevllm.server import main
+
+main()

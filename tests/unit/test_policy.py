@@ -1,0 +1,416 @@
+"""The pure policy: snapshots and `now` in, actions and state out."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from r3090d import alerting, config, exitcodes, policy, rules
+from r3090d.model import (
+    ChildSample,
+    EngineSample,
+    Exit,
+    GpuProcess,
+    GpuSample,
+    GpuStatus,
+    HealthSample,
+    HealthStatus,
+    InferenceProbeSample,
+    RecordRestart,
+    SendAlert,
+    SendInferenceProbe,
+    Snapshot,
+    StartEngine,
+    StopEngine,
+)
+from r3090d.policy import Phase
+
+MIB = 1024 * 1024
+
+
+def cfg(**watchdog) -> config.Config:
+    alerts = watchdog.pop("alerts", {})
+    data = {"profile": "none", "engine": {"model": "m"}, "gpu": {"required": watchdog.pop("gpu_required", False)}, "watchdog": watchdog, "alerts": alerts}
+    return config.from_dict(data, check_files=False)
+
+
+OK = HealthSample(HealthStatus.OK, 200)
+REFUSED = HealthSample(HealthStatus.REFUSED)
+TIMEOUT = HealthSample(HealthStatus.TIMEOUT)
+
+
+def child(gen=1, alive=True, tree=(100, 101), exit_code=None, pid=100):
+    return ChildSample(pid=pid, alive=alive, started_at=0.0, exit_code=exit_code, tree_pids=tree if alive or tree else (), generation=gen)
+
+
+def snap(now, ch=None, health=OK, engine=None, gpu=None, inference=None, **kw):
+    return Snapshot(
+        now=now,
+        wall=now,
+        child=ch or child(),
+        health=health,
+        engine=engine or EngineSample(),
+        gpu=gpu or GpuSample(GpuStatus.DISABLED),
+        inference=inference or InferenceProbeSample(),
+        **kw,
+    )
+
+
+def kinds(actions):
+    return [type(a).__name__ for a in actions if not isinstance(a, SendAlert)]
+
+
+def ready_state(c, now=0.0):
+    """Drive the policy from STOPPED to READY."""
+    st = policy.initial_state(now)
+    acts, st = policy.decide(snap(now, ch=ChildSample()), st, c, now)
+    assert kinds(acts) == ["StartEngine"]
+    acts, st = policy.decide(snap(now + 1), st, c, now + 1)
+    assert st.phase is Phase.READY
+    return st
+
+
+def test_policy_imports_no_io():
+    forbidden = {"os", "time", "subprocess", "socket", "requests", "pynvml", "psutil", "smtplib", "threading", "urllib", "http"}
+    for name in ("policy.py", "rules.py", "alerting.py", "preflight.py", "plan.py"):
+        path = Path(__file__).resolve().parents[2] / "r3090d" / name
+        if not path.exists():
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            mods = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                mods = [node.module]
+            for m in mods:
+                assert m.split(".")[0] not in forbidden, f"{name} imports {m}"
+
+
+def test_start_then_ready_only_on_health_200():
+    c = cfg()
+    st = policy.initial_state(0)
+    acts, st = policy.decide(snap(0, ch=ChildSample()), st, c, 0)
+    assert acts == [StartEngine(reason="initial start")]
+    assert st.phase is Phase.STARTING
+    for h in (REFUSED, TIMEOUT, HealthSample(HealthStatus.HTTP, 503)):
+        acts, st = policy.decide(snap(5, health=h), st, c, 5)
+        assert st.phase is Phase.STARTING and kinds(acts) == []
+    acts, st = policy.decide(snap(6), st, c, 6)
+    assert st.phase is Phase.READY
+
+
+def test_startup_timeout_exactly_at_limit():
+    c = dataclasses.replace(cfg(), engine=dataclasses.replace(cfg().engine, startup_timeout=100))
+    st = policy.initial_state(0)
+    _, st = policy.decide(snap(0, ch=ChildSample()), st, c, 0)
+    acts, st = policy.decide(snap(100, health=REFUSED), st, c, 100)
+    assert st.phase is Phase.STARTING and kinds(acts) == []
+    acts, st = policy.decide(snap(100.5, health=REFUSED), st, c, 100.5)
+    assert st.phase is Phase.RESTARTING
+    assert StopEngine(drain=False, reason="startup_timeout") in acts
+
+
+@pytest.mark.parametrize("code", [0, 1, -9])
+def test_unrequested_exit_is_a_failure_whatever_the_code(code):
+    c = cfg()
+    st = ready_state(c)
+    dead = ChildSample(pid=100, alive=False, exit_code=code, tree_pids=(101,), generation=1)
+    acts, st = policy.decide(snap(10, ch=dead, health=HealthSample(HealthStatus.SKIPPED)), st, c, 10)
+    assert st.phase is Phase.RESTARTING
+    assert StopEngine(drain=False, reason="exited") in acts
+    assert st.old_tree == (100, 101)
+    assert any(isinstance(a, RecordRestart) for a in acts)
+    # The orphan is still there: no start yet.
+    acts, st = policy.decide(snap(10.01, ch=dead), st, c, 10.01)
+    assert kinds(acts) == []
+    gone = dataclasses.replace(dead, tree_pids=())
+    acts, st = policy.decide(snap(10.02, ch=gone), st, c, 10.02)
+    assert kinds(acts) == ["StartEngine"]  # the first restart is immediate
+    assert st.phase is Phase.STARTING and st.generation == 2
+
+
+def crash_and_restart(st, c, now, gen):
+    """One unrequested exit with the tree already gone; returns (delay until start, state)."""
+    dead = ChildSample(pid=100, alive=False, exit_code=0, tree_pids=(), generation=gen)
+    acts, st = policy.decide(snap(now, ch=dead), st, c, now)
+    if st.phase is Phase.GIVEN_UP:
+        return None, st, acts
+    t = now
+    while not any(isinstance(a, StartEngine) for a in acts):
+        t += 0.25
+        acts, st = policy.decide(snap(t, ch=dead), st, c, t)
+    return t - now, st, acts
+
+
+def test_backoff_doubles_caps_and_resets_after_stability():
+    c = cfg(backoff_initial=1.0, backoff_max=4.0, stable_after=50.0, give_up_restarts=100)
+    st = ready_state(c)
+    delays = []
+    now = 10.0
+    for gen in range(1, 7):
+        delay, st, _ = crash_and_restart(st, c, now, gen)
+        delays.append(delay)
+        now += delay + 1
+        _, st = policy.decide(snap(now, ch=child(gen=gen + 1)), st, c, now)  # ready again
+        assert st.phase is Phase.READY
+    assert delays == [0.0, 1.0, 2.0, 4.0, 4.0, 4.0]
+    # Stable for stable_after seconds: the next restart is immediate again.
+    now += 50.0
+    _, st = policy.decide(snap(now, ch=child(gen=7)), st, c, now)
+    assert st.backoff_level == 0
+    delay, st, _ = crash_and_restart(st, c, now + 1, 7)
+    assert delay == 0.0
+
+
+def test_give_up_after_n_restarts_in_window():
+    c = cfg(backoff_initial=0.0, backoff_max=0.0, give_up_restarts=3, give_up_window=100.0)
+    st = ready_state(c)
+    now = 10.0
+    for gen in range(1, 4):
+        delay, st, _ = crash_and_restart(st, c, now, gen)
+        assert delay is not None
+        now += 1
+        _, st = policy.decide(snap(now, ch=child(gen=gen + 1)), st, c, now)
+    # The fourth failure within 100 s gives up.
+    delay, st, acts = crash_and_restart(st, c, now, 4)
+    assert delay is None and st.phase is Phase.GIVEN_UP
+    assert any(isinstance(a, SendAlert) and a.key == "gave_up" and a.severity == "critical" for a in acts)
+    acts, st = policy.decide(snap(now + 1, ch=ChildSample(pid=1, alive=False, generation=4)), st, c, now + 1)
+    assert Exit(code=exitcodes.GAVE_UP, reason=st.give_up_reason) in acts
+
+
+def test_failures_outside_the_window_do_not_count():
+    c = cfg(backoff_initial=0.0, backoff_max=0.0, give_up_restarts=2, give_up_window=100.0)
+    st = ready_state(c)
+    now = 10.0
+    for gen in range(1, 6):
+        delay, st, _ = crash_and_restart(st, c, now, gen)
+        assert delay is not None, f"gave up at failure {gen}"
+        now += 60.0  # two failures never share a 100 s window with a third
+        _, st = policy.decide(snap(now, ch=child(gen=gen + 1)), st, c, now)
+
+
+def test_shutdown_drains_then_exits_zero():
+    c = cfg()
+    st = ready_state(c)
+    acts, st = policy.decide(snap(5, shutdown_requested=True), st, c, 5)
+    assert StopEngine(drain=True, reason="shutdown") in acts
+    acts, st = policy.decide(snap(6, shutdown_requested=True), st, c, 6)
+    assert not any(isinstance(a, Exit) for a in acts)
+    gone = ChildSample(pid=100, alive=False, exit_code=0, generation=1)
+    acts, st = policy.decide(snap(7, ch=gone, shutdown_requested=True), st, c, 7)
+    assert Exit(code=0, reason="shutdown") in acts
+
+
+def run_ready(c, samples, start=10.0, step=1.0):
+    """Feed READY snapshots; return (index of the first restart or None, actions, state)."""
+    st = ready_state(c)
+    now = start
+    for i, s in enumerate(samples):
+        acts, st = policy.decide(dataclasses.replace(s, now=now), st, c, now)
+        if any(isinstance(a, RecordRestart) for a in acts):
+            return i, acts, st
+        now += step
+    return None, acts, st
+
+
+def test_dead_after_k_refused_polls_not_earlier():
+    c = cfg(dead_refused_polls=3)
+    i, acts, st = run_ready(c, [snap(0, health=REFUSED)] * 5)
+    assert i == 2
+    assert st.restart_reason == "dead"
+    # A 200 in between resets the count.
+    i, _, _ = run_ready(c, [snap(0, health=REFUSED), snap(0, health=REFUSED), snap(0), snap(0, health=REFUSED), snap(0, health=REFUSED)])
+    assert i is None
+
+
+def test_503_is_dead_at_once():
+    i, acts, st = run_ready(cfg(), [snap(0, health=HealthSample(HealthStatus.HTTP, 503))])
+    assert i == 0 and st.restart_reason == "dead"
+
+
+def test_hung_after_t_seconds_of_timeouts():
+    c = cfg(hang_timeout=30.0)
+    i, acts, st = run_ready(c, [snap(0, health=TIMEOUT)] * 40, step=1.0)
+    assert i == 30  # timeouts since t=10 reach 30 s at the 31st poll
+    assert st.restart_reason == "hung"
+    assert StopEngine(drain=False, reason="hung") in acts
+
+
+def metrics(free, usage, running=0, waiting=0, tokens=0.0, preempt=0.0):
+    return EngineSample(kv_usage=usage, num_gpu_blocks=1000, block_size=16, free_blocks=free, running=running, waiting=waiting, generation_tokens_total=tokens, preemptions_total=preempt)
+
+
+def test_kv_leak_restarts_drained_at_exactly_k_polls():
+    c = cfg(min_free_blocks=100, kv_low_polls=5, kv_cooldown=0.0, lb_grace=0.0)
+    leak = [snap(0, engine=metrics(50, 0.95, tokens=1000.0))] * 8
+    i, acts, st = run_ready(c, leak)
+    assert i == 4
+    assert st.restart_reason == "kv"
+    assert StopEngine(drain=True, reason="kv") in acts
+    assert st.phase is Phase.DRAINING
+
+
+def test_kv_under_load_alerts_and_does_not_restart():
+    c = cfg(min_free_blocks=100, kv_low_polls=5, kv_cooldown=0.0, alerts={"hysteresis_polls": 1})
+    load = [snap(0, engine=metrics(50, 0.95, running=8, waiting=3, tokens=1000.0 + 50 * i, preempt=float(i))) for i in range(10)]
+    i, acts, st = run_ready(c, load)
+    assert i is None
+    assert st.alerts.get("kv_pressure").firing
+    assert "preemptions/min" in st.alerts.get("kv_pressure").summary
+
+
+def test_kv_restart_under_load_restores_plain_rule():
+    c = cfg(min_free_blocks=100, kv_low_polls=5, kv_cooldown=0.0, kv_restart_under_load=True)
+    load = [snap(0, engine=metrics(50, 0.95, running=8, tokens=1000.0 + 50 * i)) for i in range(10)]
+    i, acts, st = run_ready(c, load)
+    assert i == 4 and st.restart_reason == "kv"
+
+
+def test_kv_cooldown_blocks_restart_right_after_ready():
+    c = cfg(min_free_blocks=100, kv_low_polls=5, kv_cooldown=300.0)
+    leak = [snap(0, engine=metrics(50, 0.95, tokens=1000.0))] * 20
+    i, _, _ = run_ready(c, leak, start=10.0, step=1.0)
+    assert i is None  # ready at t=1, cooldown until t=301
+    i, _, _ = run_ready(c, leak * 3, start=250.0, step=1.0)
+    assert i == 51  # t=301: the first poll out of the cooldown (ready at t=1), long past 5 low polls
+
+
+def test_passive_stall_restarts_after_s_seconds_flat_tokens():
+    c = cfg(stall_seconds=60.0, probe_idle_seconds=1000.0)
+    stalled = [snap(0, engine=metrics(900, 0.1, running=2, tokens=500.0))] * 70
+    i, acts, st = run_ready(c, stalled)
+    assert st.restart_reason == "stalled"
+    assert i == 60
+
+
+def test_active_probe_sent_when_idle_and_two_failures_restart():
+    c = cfg(probe_idle_seconds=60.0, probe_failures=2, stall_seconds=1000.0)
+    st = ready_state(c)
+    idle = metrics(900, 0.0, tokens=10.0)
+    sent = []
+    for t in range(2, 63):
+        acts, st = policy.decide(snap(t, engine=idle), st, c, t)
+        sent += [t for a in acts if isinstance(a, SendInferenceProbe)]
+    assert sent == [62]  # the counter was first read at t=2; 60 s of no new token
+    # In flight: nothing more is sent.
+    inflight = InferenceProbeSample(sent_at=61, finished_at=None, ok=None)
+    acts, st = policy.decide(snap(70, engine=idle, inference=inflight), st, c, 70)
+    assert not any(isinstance(a, SendInferenceProbe) for a in acts)
+    fail1 = InferenceProbeSample(sent_at=61, finished_at=81, ok=False, detail="timeout", consecutive_failures=1)
+    acts, st = policy.decide(snap(82, engine=idle, inference=fail1), st, c, 82)
+    assert any(isinstance(a, SendInferenceProbe) for a in acts)  # retried at once
+    assert st.phase is Phase.READY
+    fail2 = InferenceProbeSample(sent_at=82, finished_at=102, ok=False, detail="timeout", consecutive_failures=2)
+    acts, st = policy.decide(snap(103, engine=idle, inference=fail2), st, c, 103)
+    assert st.restart_reason == "stalled"
+
+
+def test_probe_skipped_while_traffic_progresses():
+    c = cfg(probe_idle_seconds=10.0)
+    st = ready_state(c)
+    for t in range(2, 60):
+        acts, st = policy.decide(snap(t, engine=metrics(900, 0.2, running=1, tokens=float(t * 10))), st, c, t)
+        assert not any(isinstance(a, SendInferenceProbe) for a in acts)
+
+
+def test_gpu_memory_alert_fire_remind_resolve():
+    c = cfg(gpu_required=True, gpu_memory_alert_mib=1000, alerts={"hysteresis_polls": 3, "reminder_interval": 100.0, "min_interval": 0.0})
+    st = ready_state(c)
+
+    def gpu(used_mib):
+        return GpuSample(GpuStatus.OK, memory_used=used_mib * MIB, memory_total=24576 * MIB)
+
+    sent = []
+    for t in range(2, 120):
+        used = 1200 if t < 110 else 500
+        acts, st = policy.decide(snap(t, gpu=gpu(used)), st, c, t)
+        sent += [(t, a.state) for a in acts if isinstance(a, SendAlert) and a.key == "gpu_memory"]
+    assert sent == [(4, "firing"), (104, "reminder"), (112, "resolved")]
+
+
+def test_alert_book_survives_a_restart_of_the_daemon():
+    from r3090d.state import book_from_json, book_to_json
+
+    c = cfg(gpu_required=True, gpu_memory_alert_mib=1000, alerts={"hysteresis_polls": 1, "reminder_interval": 3600.0})
+    st = ready_state(c)
+    hot = GpuSample(GpuStatus.OK, memory_used=2000 * MIB, memory_total=24576 * MIB)
+    acts, st = policy.decide(snap(2, gpu=hot), st, c, 2)
+    assert [a.state for a in acts if isinstance(a, SendAlert)] == ["firing"]
+    # The daemon restarts: the book is persisted with wall times and read back with another offset.
+    saved = book_to_json(st.alerts, offset=1_000_000.0)
+    restored = book_from_json(saved, offset=1_000_000.0 - 50.0)  # the new process's clock is 50 s further on
+    st2 = dataclasses.replace(ready_state(c, now=52.0), alerts=restored)
+    acts, st2 = policy.decide(snap(53.0, gpu=hot), st2, c, 53.0)
+    assert not [a for a in acts if isinstance(a, SendAlert) and a.key == "gpu_memory"]  # no re-send
+    cool = GpuSample(GpuStatus.OK, memory_used=10 * MIB, memory_total=24576 * MIB)
+    acts, st2 = policy.decide(snap(54.0, gpu=cool), st2, c, 54.0)
+    assert [a.state for a in acts if isinstance(a, SendAlert) and a.key == "gpu_memory"] == ["resolved"]  # not forgotten
+
+
+def test_gpu_lost_is_critical_and_not_a_restart_loop():
+    c = cfg(gpu_required=True, alerts={"hysteresis_polls": 1}, backoff_initial=0.0)
+    st = ready_state(c)
+    lost = GpuSample(GpuStatus.LOST, lost=True, detail="GpuIsLost")
+    dead = ChildSample(pid=100, alive=False, exit_code=1, tree_pids=(), generation=1)
+    acts, st = policy.decide(snap(5, ch=dead, gpu=lost), st, c, 5)
+    assert any(isinstance(a, SendAlert) and a.key == "gpu_lost" and a.severity == "critical" for a in acts)
+    for t in range(6, 60):
+        acts, st = policy.decide(snap(t, ch=dead, gpu=lost), st, c, t)
+        assert not any(isinstance(a, StartEngine) for a in acts)
+    assert st.phase is Phase.BACKOFF
+
+
+def test_respawn_waits_while_nvml_lists_old_tree():
+    c = cfg(gpu_required=True)
+    st = ready_state(c)
+    dead = ChildSample(pid=100, alive=False, exit_code=0, tree_pids=(), generation=1)
+    holding = GpuSample(GpuStatus.OK, memory_used=0, memory_total=1, processes=(GpuProcess(100, 5 * MIB),))
+    acts, st = policy.decide(snap(5, ch=dead, gpu=holding), st, c, 5)
+    acts, st = policy.decide(snap(5.1, ch=dead, gpu=holding), st, c, 5.1)
+    assert not any(isinstance(a, StartEngine) for a in acts)
+    free = dataclasses.replace(holding, processes=())
+    acts, st = policy.decide(snap(5.2, ch=dead, gpu=free), st, c, 5.2)
+    assert any(isinstance(a, StartEngine) for a in acts)
+
+
+def test_maintenance_pauses_remediation():
+    c = cfg(dead_refused_polls=1)
+    st = ready_state(c)
+    acts, st = policy.decide(snap(2, maintenance=True), st, c, 2)
+    assert st.maintenance
+    for t in range(3, 10):
+        acts, st = policy.decide(snap(t, health=REFUSED), st, c, t)
+        assert not any(isinstance(a, RecordRestart) for a in acts)
+    acts, st = policy.decide(snap(10, maintenance=False, health=REFUSED), st, c, 10)
+    assert st.restart_reason == "dead"
+
+
+def test_memory_growth_projects_crossing():
+    c = cfg(gpu_required=True, gpu_memory_alert_mib=20000, growth_window=3600.0, growth_horizon=86400.0, alerts={"hysteresis_polls": 1})
+    st = ready_state(c)
+    fired = None
+    for i in range(0, 130):
+        t = 2.0 + i * 60.0
+        used = (10000 + i * 10) * MIB  # 600 MiB/h: crosses 20000 MiB in about 16 h
+        acts, st = policy.decide(snap(t, gpu=GpuSample(GpuStatus.OK, memory_used=used, memory_total=24576 * MIB)), st, c, t)
+        if any(isinstance(a, SendAlert) and a.key == "gpu_memory_growth" for a in acts):
+            fired = t
+            break
+    assert fired is not None
+    assert "MiB/h" in st.alerts.get("gpu_memory_growth").summary
+    assert rules.memory_slope(((0, 0), (1, 10), (2, 20))) == pytest.approx(10.0)
+
+
+def test_silenced_alert_is_tracked_but_not_sent():
+    c = cfg(gpu_required=True, gpu_memory_alert_mib=1000, alerts={"hysteresis_polls": 1})
+    st = ready_state(c)
+    st = dataclasses.replace(st, alerts=alerting.silence(st.alerts, "gpu_memory", until=100.0))
+    hot = GpuSample(GpuStatus.OK, memory_used=2000 * MIB, memory_total=24576 * MIB)
+    acts, st = policy.decide(snap(5, gpu=hot), st, c, 5)
+    assert not [a for a in acts if isinstance(a, SendAlert) and a.key == "gpu_memory"]
+    assert st.alerts.get("gpu_memory").firing
