@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.daemon_harness import wait_until
 from tests.e2e.real_vllm import engine_python, vllm_config_writer  # noqa: F401  (fixtures for real-vLLM tests)
 from tests.e2e.systemd_ns import NamespacedSystemd, unavailable_reason
 
@@ -183,12 +184,9 @@ class Unit:
             return "(no output file)"
 
     def wait_for(self, predicate, timeout: float, what: str, interval: float = 0.25):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(interval)
+        value = wait_until(predicate, timeout, interval)
+        if value:
+            return value
         raise AssertionError(
             f"{self.name}: timed out after {timeout:.0f} s waiting for {what}; {self.describe()}"
         )
