@@ -78,7 +78,7 @@ def test_supervises_real_vllm_orphans_frozen_core_and_drained_stop(vllm_lock, vl
         assert psutil.Process(core).is_running() and psutil.Process(worker).is_running()
         daemon = psutil.Process(d.pid)
         seen = {"old_last_alive": None, "new_first_seen": None}
-        stop = threading.Event()
+        stop, watching = threading.Event(), threading.Event()
 
         def old_alive(pid: int) -> bool:
             try:
@@ -94,10 +94,14 @@ def test_supervises_real_vllm_orphans_frozen_core_and_drained_stop(vllm_lock, vl
                     seen["new_first_seen"] = time.monotonic()
                 if any(old_alive(p) for p in (core, worker)):
                     seen["old_last_alive"] = time.monotonic()
+                watching.set()
                 time.sleep(0.002)
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
+        # The kill waits for one whole pass of the watcher: the daemon clears the orphans within
+        # tens of ms, less than a first pass can take on a loaded machine.
+        assert watching.wait(10) and seen["old_last_alive"] is not None, "the watcher never saw EngineCore and Worker alive"
         os.kill(main, signal.SIGKILL)
         time.sleep(0.05)
         st = d.wait_ready(timeout=READY_TIMEOUT, generation_pid=main)
