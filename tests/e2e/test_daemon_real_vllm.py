@@ -148,7 +148,7 @@ def test_supervises_real_vllm_orphans_frozen_core_and_drained_stop(vllm_lock, vl
 def test_kv_exhaustion_is_load_then_restarts_when_told(vllm_lock, vllm_config_writer, tmp_path):
     # The leak rule's "no progress" window is kv_low_polls polls. Under this load the CPU engine
     # recomputes a preempted request each time others finish, and emits no token for up to 2.5 s
-    # (docs/cpu-vllm-notes.md); a 1 s window that began just before one called it a leak.
+    # (docs/cpu-vllm-notes.md); a 1 s window that begins just before one reads it as a leak.
     # 13 polls at 0.5 s give at least 6 s.
     watchdog = {"poll_interval": 0.5, "min_free_blocks": 5, "kv_low_polls": 13, "kv_cooldown": 0.0, "health_timeout": 2.0, "metrics_timeout": 4.0,
                 "probe_idle_seconds": 600.0, "stall_seconds": 600.0}  # fmt: skip
