@@ -114,9 +114,13 @@ class WatchdogConfig:
     # restarts
     backoff_initial: float = opt(1.0, 0, 3600)
     backoff_max: float = opt(300.0, 0, 86400)
-    stable_after: float = opt(600.0, 1, 86400)
-    give_up_restarts: int = opt(5, 1, 1000)
-    give_up_window: float = opt(1800.0, 1, 7 * 86400)
+    # A failure within min_uptime of becoming ready (or before ready) is a start
+    # failure: only those grow the backoff and count toward give-up.
+    min_uptime: float = opt(60.0, 0, 86400)
+    start_failures: int = opt(5, 1, 1000)  # consecutive start failures before giving up
+    same_cause_failures: int = opt(2, 1, 1000)  # ... or this many in a row with one root cause
+    restart_storm_restarts: int = opt(3, 1, 100000)  # the restart_storm alert: this many restarts
+    restart_storm_window: float = opt(3600.0, 1, 7 * 86400)  # ... within this many seconds
     lb_grace: float = opt(5.0, 0, 600)  # drained restart: /healthz 503 this long before SIGTERM
     # liveness
     dead_refused_polls: int = opt(3, 1, 1000)
@@ -139,6 +143,8 @@ class WatchdogConfig:
     throttle_warn_reasons: list = opt(["hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake_slowdown"])
     growth_window: float = opt(3600.0, 60, 7 * 86400)
     growth_horizon: float = opt(86400.0, 60, 365 * 86400)
+    # /metrics or NVML failing this many polls in a row: status WARNING and watchdog_blind
+    blind_polls: int = opt(5, 1, 100000)
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,10 @@ class AlertsConfig:
     hysteresis_polls: int = opt(3, 1, 1000)
     reminder_interval: float = opt(3600.0, 0, 30 * 86400)
     min_interval: float = opt(60.0, 0, 86400)  # per key rate limit
+    # A condition must stay clear this long before RESOLVED goes out (as
+    # Prometheus' keep_firing_for); kv_pressure flaps with load, so it holds longer.
+    resolve_hold: float = opt(0.0, 0, 86400)
+    kv_pressure_resolve_hold: float = opt(180.0, 0, 86400)
     syslog: SyslogConfig = field(default_factory=SyslogConfig)
     email: EmailConfig = field(default_factory=EmailConfig)
 
@@ -179,6 +189,9 @@ class DaemonConfig:
     exporter_enabled: bool = opt(True)
     exporter_host: str = opt("127.0.0.1")
     exporter_port: int = opt(9400, 1, 65535)
+    # After a give-up the daemon stays up with the engine stopped (alerting,
+    # exporting, answering r3090ctl); true restores exit 79 for an orchestrator.
+    exit_on_give_up: bool = opt(False)
 
 
 @dataclass(frozen=True)
