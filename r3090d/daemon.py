@@ -34,14 +34,15 @@ from r3090d.model import (
     GpuStatus,
     HealthSample,
     HealthStatus,
+    Phase,
     RecordRestart,
+    RestartKind,
     SendAlert,
     SendInferenceProbe,
     Snapshot,
     StartEngine,
     StopEngine,
 )
-from r3090d.policy import Phase
 from r3090d.probes.engine import EngineProbe
 from r3090d.probes.inference import InferenceProber
 from r3090d.state import (
@@ -66,9 +67,12 @@ def setup_logging() -> None:
 
 
 class Daemon:
-    def __init__(self, cfg: Config, argv: list[str], *, gpu_monitor=None, alerts=None):
+    def __init__(self, cfg: Config, argv: list[str], *, gpu_monitor=None, alerts=None, engine_version=None):
         self.cfg = cfg
         self.argv = argv
+        # Asked once at start: the engine's python cannot change without a daemon
+        # restart, and asking again costs seconds the loop does not have.
+        self.engine_version = engine_version
         self.wake = threading.Event()
         self.signals: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.engine = EngineProcess(self.wake)
@@ -82,7 +86,7 @@ class Daemon:
         self._make_probes(cfg)
         self.last_metrics_text: str | None = None
         self.last_restart_record: Path | None = None
-        self.pending_restart: str | None = None
+        self.pending_restart: RestartKind | None = None
         self.pending_maintenance: bool | None = None
         self.shutdown = False
         self.preflight_summary: dict | None = None
@@ -90,6 +94,7 @@ class Daemon:
         # so that every change of state happens in one thread.
         self.control_queue: queue.SimpleQueue = queue.SimpleQueue()
         self.latest_doc: dict | None = None  # the last state document written
+        self.alert_context = None  # the GPU named in alerts, once NVML has answered
         self.tick_stats = TickStats()  # tick-duration histogram and XID count for the exporter
         self.st = policy.initial_state(time.monotonic())
         self._last_loading_log = 0.0
@@ -124,28 +129,51 @@ class Daemon:
                 self.reload()
 
     def reload(self) -> tuple[str, str]:
-        """Re-read the config; keep the old one if the new one is invalid."""
+        """Re-read the config; on any failure the running engine and config stay as they are."""
         try:
-            new = configmod.load(self.cfg.source, self.cfg.instance)
-            if new.engine.python != self.cfg.engine.python:
-                # Asking a new python for its vLLM version can take seconds, and the loop
-                # must keep its watchdog pings: switching engines is a daemon restart.
-                raise ConfigError(new.source, "engine.python", "a reload cannot switch the engine's python",
-                                  "restart the daemon (systemctl restart r3090d) to switch engines")  # fmt: skip
-            new_argv = argvmod.build_argv(new, argvmod.engine_version(new.engine.python))
-        except (ConfigError, argvmod.EngineNotInstalled) as exc:
-            text = exc.one_line() if isinstance(exc, ConfigError) else str(exc)
+            new, new_argv = self._load_for_reload()
+        except Exception as exc:  # any failure, even one nobody foresaw, must leave the engine running
+            text = exc.one_line() if isinstance(exc, ConfigError) else (str(exc) if isinstance(exc, argvmod.EngineNotInstalled) else f"{type(exc).__name__}: {exc}")
             log.error("reload refused, keeping the running config: %s", text)
             return "error", f"refused, the running config stays: {text}"
         engine_changed = new_argv != self.argv or new.engine.env != self.cfg.engine.env or new.api_key != self.cfg.api_key
+        alerts_changed = new.alerts != self.cfg.alerts
         self.cfg, self.argv = new, new_argv
         self._make_probes(new)
+        for warning in new.warnings:
+            log.warning("%s", warning)
+        applied = "watchdog settings"
+        if alerts_changed and self.alerts is not None:
+            self._replace_alert_dispatcher(new)
+            applied = "watchdog and alert settings"
+        if engine_changed and self.st.phase is Phase.GIVEN_UP:
+            log.info("reload: applied (%s); engine settings changed, used at the next r3090ctl restart", applied)
+            return "ok", "applied; the engine stays stopped after the give-up until r3090ctl restart"
         if engine_changed:
-            log.info("reload: engine settings changed, drained restart")
-            self.pending_restart = "drain"
+            log.info("reload: applied (%s); engine settings changed, drained restart", applied)
+            self.pending_restart = RestartKind.CONFIG
             return "ok", "applied; engine settings changed, drained restart"
-        log.info("reload: applied (watchdog and alert settings)")
-        return "ok", "applied without an engine restart"
+        log.info("reload: applied (%s)", applied)
+        return "ok", f"applied without an engine restart ({applied})"
+
+    def _load_for_reload(self) -> tuple[Config, list[str]]:
+        new = configmod.load(self.cfg.source, self.cfg.instance)
+        if new.engine.python != self.cfg.engine.python:
+            # Asking a new python for its vLLM version can take seconds, and the loop
+            # must keep its watchdog pings: switching engines is a daemon restart.
+            raise ConfigError(new.source, "engine.python", "a reload cannot switch the engine's python",
+                              "restart the daemon (systemctl restart r3090d) to switch engines")  # fmt: skip
+        version = self.engine_version or argvmod.engine_version(new.engine.python)
+        return new, argvmod.build_argv(new, version)
+
+    def _replace_alert_dispatcher(self, cfg: Config) -> None:
+        """New channels for new alert settings; the old dispatcher delivers what it holds, off the loop."""
+        from r3090d.effectors.alerts import AlertDispatcher
+
+        old, self.alerts = self.alerts, AlertDispatcher.from_config(cfg)
+        if self.alert_context is not None:
+            self.alerts.set_context(self.alert_context)
+        threading.Thread(target=old.close, name="alerts-retire", daemon=True).start()
 
     def submit_control(self, request: dict, reply) -> None:
         """Called from the control server's thread; `reply(dict)` is called from the loop."""
@@ -166,10 +194,14 @@ class Daemon:
     def control(self, request: dict) -> dict:
         cmd = request.get("cmd")
         if cmd == "restart":
+            generation = self.engine.sample().generation
+            if self.st.phase is Phase.GIVEN_UP and not self.cfg.daemon.exit_on_give_up:
+                self.pending_restart = RestartKind.FAST
+                return {"ok": True, "message": "starting the engine again after the give-up, from zero failures", "generation": generation}
             if self.st.phase is not Phase.READY:
                 return {"ok": False, "error": f"engine is {self.st.phase.value}, not ready; nothing to restart"}
-            self.pending_restart = "drain" if request.get("drain", True) else "fast"
-            return {"ok": True, "message": f"{self.pending_restart} restart requested", "generation": self.engine.sample().generation}
+            self.pending_restart = RestartKind.DRAIN if request.get("drain", True) else RestartKind.FAST
+            return {"ok": True, "message": f"{self.pending_restart.value} restart requested", "generation": generation}
         if cmd == "maintenance":
             on = request.get("on")
             if not isinstance(on, bool):
@@ -230,12 +262,14 @@ class Daemon:
                 log.info("stopping engine (%s, %s)", how, action.reason)
                 self.engine.stop(drain=action.drain, drain_timeout=self.cfg.engine.shutdown_timeout + DRAIN_MARGIN_S)
             elif isinstance(action, RecordRestart):
-                log.warning("engine restart: %s: %s", action.reason, action.detail)
+                cause = f"; root cause: {action.root_cause}" if action.root_cause else ""
+                log.warning("engine restart: %s: %s%s", action.reason, action.detail, cause)
                 try:
                     self.last_restart_record = forensics.write_record(
                         self.state_dir,
                         reason=action.reason,
                         detail=action.detail,
+                        root_cause=action.root_cause,
                         snapshot=snap,
                         log_tail=self.engine.log_tail(),
                         metrics_text=self.last_metrics_text,
@@ -253,7 +287,7 @@ class Daemon:
             elif isinstance(action, Exit):
                 exit_code = action.code
                 if action.code == exitcodes.GAVE_UP:
-                    log.error("giving up: %s (exit %d)", action.reason, action.code)
+                    log.error("giving up: %s (exit %d, daemon.exit_on_give_up)", action.reason, action.code)
         return exit_code
 
     # ---------------------------------------------------------- preflight
@@ -293,6 +327,7 @@ class Daemon:
             if time.monotonic() >= deadline:
                 return self._preflight_failed(transient, exitcodes.TEMPFAIL)
             what = "; ".join(f"{r.name}: {r.measured}" for r in transient)
+            self.write_preflight_doc(waiting=what)
             self.notifier.status(f"waiting for preflight: {what}")
             self.notifier.extend_timeout(pf.transient_retry_s + 30)
             log.info("preflight: waiting for %s; re-checking in %.0f s", what, pf.transient_retry_s)
@@ -307,17 +342,28 @@ class Daemon:
         log.error("preflight failed, not starting vLLM: %s (exit %d)", text, code)
         if self.alerts is not None:
             self.alerts.submit(SendAlert(key="preflight_failed", severity="critical", state="firing", summary=f"preflight failed: {text}"))
-        self.write_preflight_only()
+        self.write_preflight_doc()
         return code
 
-    def write_preflight_only(self) -> None:
-        """Leave the verdict where `r3090ctl status` looks, though the loop never ran."""
+    def write_preflight_doc(self, waiting: str | None = None) -> None:
+        """Leave the verdict where `r3090ctl status` looks, though the loop has not run:
+        what preflight waits for (re-written at each re-check), or why it failed."""
         doc = read_json(self.state_path) or {}
         doc.update({"written_at": time.time(), "preflight": self.preflight_summary})
         doc.setdefault("engine", {})["phase"] = "stopped"
         doc["engine"]["state"] = "stopped"
-        doc["daemon"] = {"pid": os.getpid(), "started_at": self.started_wall, "version": __version__, "instance": self.cfg.instance, "config": self.cfg.source}
-        doc["give_up_reason"] = "preflight failed: " + "; ".join(c["name"] for c in self.preflight_summary["checks"] if c["status"] == "fail")
+        doc["daemon"] = {
+            "pid": os.getpid(),
+            "started_at": self.started_wall,
+            "version": __version__,
+            "instance": self.cfg.instance,
+            "config": self.cfg.source,
+            # the document is re-written at each re-check: that is its freshness
+            "poll_interval": self.cfg.preflight.transient_retry_s,
+        }
+        doc["waiting"] = {"for": waiting, "since": doc.get("waiting", {}).get("since") or time.time()} if waiting else None
+        failed = [c["name"] for c in self.preflight_summary["checks"] if c["status"] == "fail"]
+        doc["give_up_reason"] = None if waiting else "preflight failed: " + "; ".join(failed)
         try:
             write_json_atomic(self.state_path, doc)
         except OSError as exc:
@@ -396,8 +442,12 @@ class Daemon:
             if self.last_restart_record is not None:
                 forensics.mark_ready(self.last_restart_record, now - (st.last_restart_at or now))
                 self.last_restart_record = None
+        if st.phase is Phase.GIVEN_UP and old_phase is not Phase.GIVEN_UP:
+            log.error("gave up: %s; the engine stays stopped, the daemon stays up (r3090ctl restart starts it again)", st.give_up_reason)
         line = self.status_line(st, snap)
-        if st.phase is Phase.READY:
+        if st.phase is Phase.READY or (st.phase is Phase.GIVEN_UP and not self.cfg.daemon.exit_on_give_up):
+            # A give-up still lets the unit become active: the daemon is up, alerting
+            # and answering, and `systemctl status` shows why through STATUS=.
             self.notifier.ready(line)
         elif not self.notifier.ready_sent or st.phase in (Phase.SHUTTING_DOWN, Phase.GIVEN_UP, Phase.DRAINING):
             # Loading (before READY) and stopping both count against systemd's timeouts.
@@ -413,6 +463,8 @@ class Daemon:
         now = snap.now
         if st.phase is Phase.STARTING:
             return f"loading model ({now - st.phase_since:.0f} s)"
+        if st.phase is Phase.GIVEN_UP:
+            return f"gave up, engine stopped: {st.give_up_reason}"
         parts = [("maintenance " if st.maintenance else "") + st.phase.value]
         e = snap.engine
         if e.kv_usage is not None:
@@ -462,7 +514,10 @@ class Daemon:
                 "by_reason": dict(st.restarts_by_reason),
                 "last_reason": st.last_restart_reason,
                 "last_at": wall(st.last_restart_at),
+                "last_root_cause": st.last_root_cause,
                 "backoff_level": st.backoff_level,
+                "start_failures": st.start_failures,
+                "recent": len(st.restart_times),
             },
             "next_action": self.next_action(st, snap),
             "give_up_reason": st.give_up_reason,
@@ -504,6 +559,8 @@ def run(config_path: str | None, instance: int | None, skip_preflight: bool) -> 
         log.error("preflight vllm FAIL: %s (fix: make engine, or set engine.python in %s); exit %d", exc, cfg.source, exitcodes.PREFLIGHT_PERMANENT)
         return exitcodes.PREFLIGHT_PERMANENT
     argv = argvmod.build_argv(cfg, version)
+    for warning in cfg.warnings:
+        log.warning("%s", warning)
     log.info("r3090d %s: config %s, vLLM %s, engine at %s", __version__, cfg.source, version, cfg.engine_url)
     from r3090d.effectors.alerts import AlertDispatcher
 
@@ -513,6 +570,6 @@ def run(config_path: str | None, instance: int | None, skip_preflight: bool) -> 
 
         gpu_monitor = NvmlMonitor(cfg.gpu.index, cfg.watchdog.nvml_hung_after, period_s=cfg.watchdog.poll_interval)
         gpu_monitor.start()
-    daemon = Daemon(cfg, argv, gpu_monitor=gpu_monitor, alerts=AlertDispatcher.from_config(cfg))
+    daemon = Daemon(cfg, argv, gpu_monitor=gpu_monitor, alerts=AlertDispatcher.from_config(cfg), engine_version=version)
     daemon.install_signals()
     return daemon.run(skip_preflight=skip_preflight)

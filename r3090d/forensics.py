@@ -16,7 +16,7 @@ def records_dir(state_dir: str | Path) -> Path:
     return Path(state_dir) / "restarts"
 
 
-def write_record(state_dir: str | Path, *, reason: str, detail: str, snapshot, log_tail: list[str], metrics_text: str | None, gpu) -> Path:
+def write_record(state_dir: str | Path, *, reason: str, detail: str, root_cause: str | None = None, snapshot, log_tail: list[str], metrics_text: str | None, gpu) -> Path:
     folder = records_dir(state_dir)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"{time.time() % 1:.3f}"[1:]
     safe_reason = re.sub(r"[^a-z0-9_-]", "_", reason.lower())
@@ -27,6 +27,7 @@ def write_record(state_dir: str | Path, *, reason: str, detail: str, snapshot, l
             "time": time.time(),
             "reason": reason,
             "detail": detail,
+            "root_cause": root_cause,
             "ready_after_s": None,
             "snapshot": plain(snapshot),
             "engine_log_tail": log_tail,

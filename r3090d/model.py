@@ -176,6 +176,7 @@ class ChildSample:
     tree_pids: tuple[int, ...] = ()  # live processes of the engine's process group
     spawn_error: str | None = None  # the spawn itself failed (bad python path, ...)
     generation: int = 0  # increments at each spawn
+    root_cause: str | None = None  # after an exit: the line of the engine's log that says why (rootcause.py)
 
     @property
     def tree_gone(self) -> bool:
@@ -196,11 +197,48 @@ class Snapshot:
     inference: InferenceProbeSample = field(default_factory=InferenceProbeSample)
     shutdown_requested: bool = False
     # Requests from the control plane, consumed by this tick's decide().
-    restart_requested: str | None = None  # "drain" | "fast" | None
+    restart_requested: RestartKind | None = None
     maintenance: bool | None = None  # None = no change requested
 
 
+# ----------------------------------------------------------------------- phases
+
+
+class Phase(enum.StrEnum):
+    """The engine's lifecycle as the policy tracks it; the values are the state file's and the exporter's text."""
+
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"  # a drained restart in progress: the engine still finishes its streams
+    RESTARTING = "restarting"  # the old tree is being stopped
+    BACKOFF = "backoff"
+    GIVEN_UP = "given-up"
+    SHUTTING_DOWN = "shutting-down"
+
+
 # ----------------------------------------------------------------------- actions
+
+
+class RestartKind(enum.StrEnum):
+    """How a restart was asked for."""
+
+    DRAIN = "drain"  # operator: let streams finish and the load balancer leave first
+    FAST = "fast"  # operator: stop at once
+    CONFIG = "config"  # a reload changed the engine's settings: drained, and never a cold start after a give-up
+
+
+class RestartReason(enum.StrEnum):
+    """Why the engine was restarted: the exporter's label values and the records' `reason`."""
+
+    EXITED = "exited"  # the engine exited without being asked to
+    SPAWN_FAILED = "spawn_failed"  # the engine's python could not be started
+    STARTUP_TIMEOUT = "startup_timeout"  # /health never answered 200 within engine.startup_timeout
+    DEAD = "dead"  # /health refused for dead_refused_polls polls, or answered 503
+    HUNG = "hung"  # /health timing out for hang_timeout
+    STALLED = "stalled"  # requests running and no progress, or the inference probe failing
+    KV = "kv"  # the KV cache ran out and did not recover
+    REQUESTED = "requested"  # r3090ctl restart, or a reload that changed the engine's settings
 
 
 @dataclass(frozen=True)
@@ -229,6 +267,7 @@ class RecordRestart:
 
     reason: str
     detail: str
+    root_cause: str | None = None
 
 
 @dataclass(frozen=True)

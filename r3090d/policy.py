@@ -9,13 +9,21 @@ The engine moves through phases:
     STOPPED --start--> STARTING --/health 200--> READY
     READY/STARTING --failure--> RESTARTING (old tree being stopped)
     RESTARTING --tree gone--> BACKOFF --delay over--> STARTING
-    any --too many failures in the window--> GIVEN_UP --tree gone--> exit
+    STARTING/young READY --too many start failures--> GIVEN_UP (engine stopped, daemon up)
+    GIVEN_UP --r3090ctl restart--> STARTING (from zero failures)
     any --shutdown--> SHUTTING_DOWN --tree gone--> exit 0
+
+Restart semantics, as supervisord and Kubernetes' CrashLoopBackOff agree:
+a *start failure* is an engine that never became ready, or failed within
+`min_uptime` of becoming ready. Only consecutive start failures grow the
+backoff and lead to a give-up (after `start_failures` of them, or after
+`same_cause_failures` in a row with the same root-cause line). An engine that
+was ready for `min_uptime` and then fails is restarted at once, for ever:
+restarting is exactly what fixes it.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field, replace
 
 from r3090d import alerting, exitcodes, rules
@@ -24,7 +32,10 @@ from r3090d.model import (
     Action,
     Exit,
     HealthStatus,
+    Phase,
     RecordRestart,
+    RestartKind,
+    RestartReason,
     SendInferenceProbe,
     Snapshot,
     StartEngine,
@@ -36,17 +47,6 @@ from r3090d.model import (
 VRAM_RELEASE_WAIT_S = 30.0
 
 
-class Phase(enum.StrEnum):
-    STOPPED = "stopped"
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"  # a drained restart in progress: the engine still finishes its streams
-    RESTARTING = "restarting"  # the old tree is being stopped
-    BACKOFF = "backoff"
-    GIVEN_UP = "given-up"
-    SHUTTING_DOWN = "shutting-down"
-
-
 @dataclass(frozen=True)
 class PolicyState:
     phase: Phase = Phase.STOPPED
@@ -56,8 +56,11 @@ class PolicyState:
     ready_since: float | None = None
     next_start_at: float | None = None
     restart_reason: str | None = None  # why the current restart/backoff is happening
-    failure_times: tuple[float, ...] = ()  # within the give-up window
-    backoff_level: int = 0  # consecutive restarts without a stable period
+    start_failures: int = 0  # consecutive start failures: the backoff level and the give-up count
+    same_cause_run: int = 0  # how many of those in a row had last_root_cause
+    last_root_cause: str | None = None  # the root-cause line of the last failure, if the log had one
+    backoff_level: int = 0  # the level the current (or last) restart waited at
+    restart_times: tuple[float, ...] = ()  # unrequested restarts within restart_storm_window
     restarts_total: int = 0
     restarts_by_reason: tuple[tuple[str, int], ...] = ()
     last_restart_reason: str | None = None
@@ -65,10 +68,12 @@ class PolicyState:
     old_tree: tuple[int, ...] = ()  # pids of the engine being replaced
     stop_due_at: float | None = None  # DRAINING: the deferred drained StopEngine goes out then
     tree_gone_at: float | None = None
-    give_up_reason: str | None = None
+    give_up_reason: str | None = None  # set while GIVEN_UP; the gave_up alert fires until READY again
+    gave_up_unresolved: bool = False  # a give-up whose alert has not yet resolved (engine not ready since)
     exit_code: int | None = None
     xid_seen: tuple[int, ...] = ()  # latched across restarts: only a reboot clears it
     watch: rules.WatchState = field(default_factory=rules.WatchState)
+    blind: rules.Blindness = field(default_factory=rules.Blindness)
     alerts: alerting.AlertBook = field(default_factory=alerting.AlertBook)
 
 
@@ -82,7 +87,7 @@ def lb_grace(cfg: Config) -> float:
 
 
 def backoff_delay(level: int, cfg: Config) -> float:
-    """Delay before the restart number `level` (0-based) since the last stable period."""
+    """Delay before a restart after `level` consecutive start failures (level 0: at once)."""
     if level <= 0:
         return 0.0
     return min(cfg.watchdog.backoff_initial * 2 ** (level - 1), cfg.watchdog.backoff_max)
@@ -95,20 +100,29 @@ def decide(snap: Snapshot, st: PolicyState, cfg: Config, now: float) -> tuple[li
         st = replace(st, maintenance=snap.maintenance)
     if snap.gpu.xid_errors:
         st = replace(st, xid_seen=tuple(sorted(set(st.xid_seen) | set(snap.gpu.xid_errors))))
+    window = cfg.watchdog.restart_storm_window
+    st = replace(
+        st,
+        restart_times=tuple(t for t in st.restart_times if now - t < window),
+        blind=rules.track_blindness(snap, st.blind, cfg, engine_ready=st.phase is Phase.READY),
+    )
     st = _lifecycle(snap, st, cfg, now, actions, events)
     watch = replace(st.watch, xid_seen=st.xid_seen)
-    conds = rules.conditions(snap, watch, cfg, now, _lifecycle_facts(st, now)) + events
+    conds = rules.conditions(snap, watch, cfg, now, _lifecycle_facts(st, cfg, now), st.blind) + events
     alert_actions, book = alerting.evaluate(conds, st.alerts, cfg, now)
     actions.extend(alert_actions)
     return actions, replace(st, alerts=book)
 
 
-def _lifecycle_facts(st: PolicyState, now: float) -> rules.LifecycleFacts:
+def _lifecycle_facts(st: PolicyState, cfg: Config, now: float) -> rules.LifecycleFacts:
     return rules.LifecycleFacts(
-        phase=st.phase.value,
+        phase=st.phase,
         backoff_remaining=(st.next_start_at - now) if st.phase is Phase.BACKOFF and st.next_start_at else None,
         restart_reason=st.restart_reason,
         give_up_reason=st.give_up_reason,
+        gave_up_unresolved=st.gave_up_unresolved,
+        recent_restarts=len(st.restart_times),
+        root_cause=st.last_root_cause,
     )
 
 
@@ -119,15 +133,18 @@ def _to(st: PolicyState, phase: Phase, now: float, **changes) -> PolicyState:
 def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions: list[Action], events: list) -> PolicyState:
     child = snap.child
 
-    if snap.shutdown_requested and st.phase not in (Phase.SHUTTING_DOWN, Phase.GIVEN_UP):
+    if snap.shutdown_requested and st.phase is not Phase.SHUTTING_DOWN:
         if child.alive or child.tree_pids:
             actions.append(StopEngine(drain=True, reason="shutdown"))
         st = _to(st, Phase.SHUTTING_DOWN, now, exit_code=exitcodes.OK)
 
-    if st.phase in (Phase.SHUTTING_DOWN, Phase.GIVEN_UP):
+    if st.phase is Phase.SHUTTING_DOWN:
         if child.tree_gone:
-            actions.append(Exit(code=st.exit_code if st.exit_code is not None else exitcodes.OK, reason=st.give_up_reason or "shutdown"))
+            actions.append(Exit(code=st.exit_code if st.exit_code is not None else exitcodes.OK, reason="shutdown"))
         return st
+
+    if st.phase is Phase.GIVEN_UP:
+        return _given_up(snap, st, cfg, now, actions)
 
     if st.phase is Phase.STOPPED:
         actions.append(StartEngine(reason="initial start"))
@@ -141,28 +158,28 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
         return st  # the spawn has not shown up in a sample yet
     if not child.alive:
         if child.spawn_error:
-            return _fail(snap, st, cfg, now, actions, events, "spawn_failed", child.spawn_error, drain=False)
+            return _fail(snap, st, cfg, now, actions, events, RestartReason.SPAWN_FAILED, child.spawn_error, drain=False)
         code = child.exit_code
         what = "exited during start" if st.phase is Phase.STARTING else "exited"
         # An exit we did not ask for is a failure whatever its code: vLLM can
         # exit 0 after its engine died.
-        return _fail(snap, st, cfg, now, actions, events, "exited", f"engine {what} with code {code}", drain=False)
+        return _fail(snap, st, cfg, now, actions, events, RestartReason.EXITED, f"engine {what} with code {code}", drain=False)
 
     if st.phase is Phase.STARTING:
         if snap.health.status is HealthStatus.OK:
-            return _to(st, Phase.READY, now, ready_since=now, watch=rules.WatchState(ready_at=now))
+            return _to(st, Phase.READY, now, ready_since=now, gave_up_unresolved=False, watch=rules.WatchState(ready_at=now))
         if now - st.phase_since > cfg.engine.startup_timeout:
-            return _fail(snap, st, cfg, now, actions, events, "startup_timeout", f"not ready after {cfg.engine.startup_timeout} s", drain=False)
+            return _fail(snap, st, cfg, now, actions, events, RestartReason.STARTUP_TIMEOUT, f"not ready after {cfg.engine.startup_timeout} s", drain=False)
         return st
 
     # READY
-    if st.backoff_level and st.ready_since is not None and now - st.ready_since >= cfg.watchdog.stable_after:
-        st = replace(st, backoff_level=0)
+    if st.start_failures and _healthy_for(st, cfg, now):
+        st = replace(st, start_failures=0, same_cause_run=0)
     watch, verdict = rules.assess(snap, st.watch, cfg, now)
     st = replace(st, watch=watch)
-    if snap.restart_requested:
-        drain = snap.restart_requested == "drain"
-        return _restart(snap, st, cfg, now, actions, events, "requested", "restart requested by operator", drain=drain, counts=False)
+    if snap.restart_requested is not None:
+        drain = snap.restart_requested != RestartKind.FAST
+        return _restart(snap, st, cfg, now, actions, events, RestartReason.REQUESTED, "restart requested by operator", drain=drain, counts=False)
     if verdict is not None and not st.maintenance:
         return _fail(snap, st, cfg, now, actions, events, verdict.reason, verdict.detail, drain=verdict.drain)
     if rules.probe_due(snap, st.watch, cfg, now) and not st.maintenance:
@@ -170,33 +187,77 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
     return st
 
 
+def _healthy_for(st: PolicyState, cfg: Config, now: float) -> bool:
+    """Ready for at least min_uptime: a failure now is not a start failure."""
+    return st.phase is Phase.READY and st.ready_since is not None and now - st.ready_since >= cfg.watchdog.min_uptime
+
+
+def _given_up(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions: list[Action]) -> PolicyState:
+    """The engine stays stopped; the daemon keeps alerting, exporting and answering until asked to start again."""
+    child = snap.child
+    if cfg.daemon.exit_on_give_up:
+        if child.tree_gone:
+            actions.append(Exit(code=exitcodes.GAVE_UP, reason=st.give_up_reason or "gave up"))
+        return st
+    operator_restart = snap.restart_requested in (RestartKind.DRAIN, RestartKind.FAST)
+    if operator_restart and child.tree_gone:
+        # Nothing is serving, so there is nothing to drain: start again from zero failures.
+        actions.append(StartEngine(reason="restart requested by operator after a give-up"))
+        return _to(
+            st,
+            Phase.STARTING,
+            now,
+            generation=child.generation + 1,
+            give_up_reason=None,
+            start_failures=0,
+            same_cause_run=0,
+            backoff_level=0,
+            old_tree=(),
+            watch=rules.WatchState(),
+        )
+    return st
+
+
 def _fail(snap, st, cfg, now, actions, events, reason, detail, *, drain) -> PolicyState:
-    """A failure counts toward give-up; then the engine restarts (after backoff)."""
-    window = cfg.watchdog.give_up_window
-    failures = tuple(t for t in st.failure_times if now - t < window) + (now,)
-    st = replace(st, failure_times=failures)
-    if len(failures) > cfg.watchdog.give_up_restarts:
-        why = f"{len(failures)} failures in {window:.0f} s (last: {reason}: {detail})"
+    """A failure: restart, at once after a healthy period, else with backoff, or give up."""
+    cause = snap.child.root_cause if not snap.child.alive else None
+    if _healthy_for(st, cfg, now):
+        st = replace(st, start_failures=0, same_cause_run=0, last_root_cause=cause)
+        return _restart(snap, st, cfg, now, actions, events, reason, detail, drain=drain, counts=True, root_cause=cause)
+    level = st.start_failures  # backoff before this restart: one step per earlier start failure in a row
+    failures = st.start_failures + 1
+    same = st.same_cause_run + 1 if cause is not None and cause == st.last_root_cause and st.start_failures else (1 if cause else 0)
+    st = replace(st, start_failures=failures, same_cause_run=same, last_root_cause=cause)
+    wd = cfg.watchdog
+    if failures >= wd.start_failures or same >= wd.same_cause_failures:
+        why = (
+            f"{same} start failures in a row with the same cause"
+            if same >= wd.same_cause_failures
+            else f"{failures} start failures in a row"
+        )
+        why += f" (last: {reason}: {detail})"
+        if cause:
+            why += f"; root cause: {cause}"
         if snap.child.alive or snap.child.tree_pids:
             actions.append(StopEngine(drain=False, reason="gave up"))
-        actions.append(RecordRestart(reason=reason, detail=detail))
-        events.append(rules.Condition("gave_up", True, "critical", f"gave up: {why}; the engine stays down until someone restarts r3090d", event=True))
-        return _to(st, Phase.GIVEN_UP, now, give_up_reason=why, exit_code=exitcodes.GAVE_UP, restart_reason=reason)
-    return _restart(snap, st, cfg, now, actions, events, reason, detail, drain=drain, counts=True)
+        actions.append(RecordRestart(reason=reason, detail=detail, root_cause=cause))
+        return _to(st, Phase.GIVEN_UP, now, give_up_reason=why, gave_up_unresolved=True, restart_reason=reason, ready_since=None)
+    return _restart(snap, st, cfg, now, actions, events, reason, detail, drain=drain, counts=True, root_cause=cause, level=level)
 
 
-def _restart(snap, st, cfg, now, actions, events, reason, detail, *, drain, counts) -> PolicyState:
-    delay = backoff_delay(st.backoff_level, cfg) if counts else 0.0
+def _restart(snap, st, cfg, now, actions, events, reason, detail, *, drain, counts, root_cause=None, level=0) -> PolicyState:
+    delay = backoff_delay(level, cfg)
     by_reason = dict(st.restarts_by_reason)
     by_reason[reason] = by_reason.get(reason, 0) + 1
-    actions.append(RecordRestart(reason=reason, detail=detail))
+    actions.append(RecordRestart(reason=reason, detail=detail, root_cause=root_cause))
     # A drained restart first publishes DRAINING (/healthz 503) and holds the
     # SIGTERM for lb_grace, so the load balancer stops sending new requests.
     grace = lb_grace(cfg) if drain and snap.child.alive else 0.0
     if (snap.child.alive or snap.child.tree_pids) and grace <= 0:
         actions.append(StopEngine(drain=drain and snap.child.alive, reason=reason))
     wait = f", next start in {delay:.0f} s" if delay else ""
-    events.append(rules.Condition("engine_restarted", True, "warning", f"engine restarting ({reason}): {detail}{wait}", event=True))
+    cause = f"; root cause: {root_cause}" if root_cause else ""
+    events.append(rules.Condition("engine_restarted", True, "warning", f"engine restarting ({reason}): {detail}{cause}{wait}", event=True))
     phase = Phase.DRAINING if drain and snap.child.alive else Phase.RESTARTING
     st = _to(
         st,
@@ -204,7 +265,8 @@ def _restart(snap, st, cfg, now, actions, events, reason, detail, *, drain, coun
         now,
         restart_reason=reason,
         next_start_at=now + delay,
-        backoff_level=st.backoff_level + 1 if counts else st.backoff_level,
+        backoff_level=level,
+        restart_times=st.restart_times + ((now,) if counts else ()),
         restarts_total=st.restarts_total + 1,
         restarts_by_reason=tuple(sorted(by_reason.items())),
         last_restart_reason=reason,

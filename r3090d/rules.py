@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from r3090d.config import MIB, Config
-from r3090d.model import GpuStatus, HealthStatus, Snapshot
+from r3090d.model import GpuStatus, HealthStatus, Phase, RestartReason, Snapshot
 
 
 @dataclass(frozen=True)
@@ -36,17 +36,48 @@ class WatchState:
 
 @dataclass(frozen=True)
 class Verdict:
-    reason: str  # dead | hung | stalled | kv
+    reason: RestartReason  # DEAD | HUNG | STALLED | KV
     detail: str
     drain: bool
 
 
 @dataclass(frozen=True)
 class LifecycleFacts:
-    phase: str
+    phase: Phase
     backoff_remaining: float | None
     restart_reason: str | None
     give_up_reason: str | None
+    gave_up_unresolved: bool = False
+    recent_restarts: int = 0  # unrequested restarts within restart_storm_window
+    root_cause: str | None = None
+
+
+@dataclass(frozen=True)
+class Blindness:
+    """Consecutive polls in which a source the watchdog relies on failed."""
+
+    metrics_polls: int = 0
+    metrics_detail: str = ""
+    nvml_polls: int = 0
+    nvml_detail: str = ""
+
+
+# NVML answered, but with nothing usable: the GPU rules see nothing. (LOST and a
+# hung call have their own conditions; DISABLED and PENDING are not failures.)
+_NVML_BLIND = (GpuStatus.ERROR, GpuStatus.NO_DRIVER, GpuStatus.NO_LIBRARY, GpuStatus.NO_GPU)
+
+
+def track_blindness(snap: Snapshot, b: Blindness, cfg: Config, engine_ready: bool) -> Blindness:
+    eng, g = snap.engine, snap.gpu
+    if engine_ready and eng.error is not None:
+        b = replace(b, metrics_polls=b.metrics_polls + 1, metrics_detail=eng.error)
+    elif engine_ready or b.metrics_polls:
+        b = replace(b, metrics_polls=0, metrics_detail="")
+    if cfg.gpu.required and g.status in _NVML_BLIND and not g.hung:
+        b = replace(b, nvml_polls=b.nvml_polls + 1, nvml_detail=f"{g.status.value}: {g.detail}".rstrip(": "))
+    else:
+        b = replace(b, nvml_polls=0, nvml_detail="")
+    return b
 
 
 @dataclass(frozen=True)
@@ -56,6 +87,7 @@ class Condition:
     severity: str  # info | warning | critical
     summary: str
     event: bool = False  # one-shot: sent as it happens, no hysteresis, no resolve
+    immediate: bool = False  # a state, not a noisy reading: fire on the first active poll
 
 
 def _advance_tokens(snap: Snapshot, w: WatchState, now: float) -> WatchState:
@@ -81,24 +113,24 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
 
     # Dead: refused for K polls, or a 503 (vLLM's answer after EngineDeadError).
     if health.status is HealthStatus.HTTP and health.http_status == 503:
-        return w, Verdict("dead", "/health answered 503", drain=False)
+        return w, Verdict(RestartReason.DEAD, "/health answered 503", drain=False)
     w = replace(w, refused_polls=w.refused_polls + 1 if health.status is HealthStatus.REFUSED else 0)
     if w.refused_polls >= wd.dead_refused_polls:
-        return w, Verdict("dead", f"/health refused for {w.refused_polls} polls", drain=False)
+        return w, Verdict(RestartReason.DEAD, f"/health refused for {w.refused_polls} polls", drain=False)
 
     # Hung: /health timing out for T seconds.
     if health.status is HealthStatus.TIMEOUT:
         since = w.timeout_since if w.timeout_since is not None else now
         w = replace(w, timeout_since=since)
         if now - since >= wd.hang_timeout:
-            return w, Verdict("hung", f"/health timed out for {now - since:.0f} s", drain=False)
+            return w, Verdict(RestartReason.HUNG, f"/health timed out for {now - since:.0f} s", drain=False)
     else:
         w = replace(w, timeout_since=None)
 
     eng = snap.engine
     # Frozen engine, passive: requests running but no token for S seconds.
     if eng.error is None and (eng.running or 0) > 0 and now - w.tokens_changed_at >= wd.stall_seconds:
-        return w, Verdict("stalled", f"{eng.running:.0f} running, no token generated for {now - w.tokens_changed_at:.0f} s", drain=False)
+        return w, Verdict(RestartReason.STALLED, f"{eng.running:.0f} running, no token generated for {now - w.tokens_changed_at:.0f} s", drain=False)
 
     # Frozen engine, active: the probe's consecutive failures.
     inf = snap.inference
@@ -109,7 +141,7 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
         else:
             w = replace(w, probe_due_at=inf.finished_at)  # retry at once
         if not inf.ok and inf.consecutive_failures >= wd.probe_failures:
-            return w, Verdict("stalled", f"{inf.consecutive_failures} inference probes failed ({inf.detail})", drain=False)
+            return w, Verdict(RestartReason.STALLED, f"{inf.consecutive_failures} inference probes failed ({inf.detail})", drain=False)
 
     # KV cache: low free blocks for K consecutive polls.
     if eng.free_blocks is not None and eng.free_blocks < wd.min_free_blocks:
@@ -121,7 +153,7 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
             cooling = now - w.ready_at < wd.kv_cooldown
             if (leak or wd.kv_restart_under_load) and not cooling:
                 kind = "leak" if leak else "threshold"
-                return w, Verdict("kv", f"{eng.free_blocks:.0f} free blocks < {wd.min_free_blocks} for {w.kv_low_polls} polls ({kind})", drain=True)
+                return w, Verdict(RestartReason.KV, f"{eng.free_blocks:.0f} free blocks < {wd.min_free_blocks} for {w.kv_low_polls} polls ({kind})", drain=True)
             w = replace(w, kv_load=not leak)
     elif eng.free_blocks is not None:
         w = replace(w, kv_low_polls=0, kv_low_tokens_at_start=None, kv_low_since=None, kv_load=False)
@@ -190,10 +222,34 @@ def memory_slope(points: tuple[tuple[float, int], ...]) -> float | None:
     return sum((p[0] - mt) * (p[1] - mv) for p in points) / den
 
 
-def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: LifecycleFacts) -> list[Condition]:
+def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: LifecycleFacts, blind: Blindness = Blindness()) -> list[Condition]:
     wd = cfg.watchdog
     g = snap.gpu
     out: list[Condition] = []
+    cause = f"; root cause: {life.root_cause}" if life.root_cause else ""
+    out.append(Condition(
+        "gave_up",
+        life.phase is Phase.GIVEN_UP or life.gave_up_unresolved,
+        "critical",
+        f"gave up: {life.give_up_reason}; the engine stays stopped until r3090ctl restart" if life.give_up_reason
+        else "the engine is ready again after a give-up",
+        immediate=True,
+    ))  # fmt: skip
+    storm = life.recent_restarts >= wd.restart_storm_restarts
+    out.append(Condition(
+        "restart_storm",
+        storm,
+        "warning",
+        f"{life.recent_restarts} engine restarts in {wd.restart_storm_window:.0f} s (last: {life.restart_reason}{cause})" if storm
+        else f"restarts back under {wd.restart_storm_restarts} in {wd.restart_storm_window:.0f} s",
+        immediate=True,
+    ))  # fmt: skip
+    blind_what = []
+    if blind.metrics_polls >= wd.blind_polls:
+        blind_what.append(f"/metrics failing for {blind.metrics_polls} polls ({blind.metrics_detail}): the KV and stall rules see nothing")
+    if blind.nvml_polls >= wd.blind_polls:
+        blind_what.append(f"NVML failing for {blind.nvml_polls} polls ({blind.nvml_detail}): the GPU rules see nothing")
+    out.append(Condition("watchdog_blind", bool(blind_what), "warning", "watchdog blind: " + "; ".join(blind_what) if blind_what else "the watchdog sees again"))
     if cfg.gpu.required:
         lost = g.lost or g.status is GpuStatus.LOST
         out.append(Condition("gpu_lost", lost, "critical", f"GPU {cfg.gpu.index} is lost ({g.detail or 'GpuIsLost'}): reboot needed"))
@@ -211,7 +267,7 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
             hit = sorted(set(g.clock_event_reasons) & set(wd.throttle_warn_reasons))
             out.append(Condition("gpu_throttle", bool(hit), "warning", f"GPU clocks held back: {', '.join(hit) or 'no longer'}"))
         slope = memory_slope(w.memory_points)
-        if g.usable and g.memory_used is not None and life.phase == "ready":
+        if g.usable and g.memory_used is not None and life.phase is Phase.READY:
             growing = False
             text = "GPU memory is not growing"
             if slope is not None and slope > 0:
@@ -219,10 +275,10 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
                 growing = 0 < eta <= wd.growth_horizon
                 text = f"GPU memory grows {slope * 3600 / MIB:.0f} MiB/h; crosses {wd.gpu_memory_alert_mib} MiB in {eta / 3600:.1f} h"
             out.append(Condition("gpu_memory_growth", growing, "warning", text))
-    if life.phase == "ready":
+    if life.phase is Phase.READY:
         rate = preemption_rate(w)
         rate_text = f", {rate:.1f} preemptions/min" if rate is not None else ""
         eng = snap.engine
         out.append(Condition("kv_pressure", w.kv_load, "warning", f"KV cache full under load: {eng.free_blocks or 0:.0f} free blocks, {eng.running or 0:.0f} running, {eng.waiting or 0:.0f} waiting{rate_text}"))
-    out.append(Condition("engine_backoff", life.phase == "backoff" and (life.backoff_remaining or 0) > 0, "warning", f"engine restart backoff after {life.restart_reason}: {life.backoff_remaining or 0:.0f} s left"))
+    out.append(Condition("engine_backoff", life.phase is Phase.BACKOFF and (life.backoff_remaining or 0) > 0, "warning", f"engine restart backoff after {life.restart_reason}: {life.backoff_remaining or 0:.0f} s left"))
     return out

@@ -67,13 +67,20 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
+BOOK_TIME_FIELDS = ("since", "last_sent_at", "clear_since")  # monotonic in AlertEntry, wall in the file
+
+
 def book_to_json(book: AlertBook, offset: float) -> dict:
     def wall(t):
         return None if t is None else t + offset
 
     return {
         "entries": {
-            key: {**plain(e), "since": wall(e.since), "last_sent_at": wall(e.last_sent_at)} for key, e in book.entries
+            key: {
+                **plain(e),
+                **{name: wall(getattr(e, name)) for name in BOOK_TIME_FIELDS},
+            }
+            for key, e in book.entries
         },
         "silenced": {key: until + offset for key, until in book.silenced},
     }
@@ -91,9 +98,12 @@ def book_from_json(data: dict | None, offset: float) -> AlertBook:
     try:
         for key, raw in (data.get("entries") or {}).items():
             fields = {f.name for f in dataclasses.fields(AlertEntry)}
+            if "fired_sent" not in raw:
+                # Written before fired_sent existed: then a firing entry with a send time had sent its FIRING.
+                raw = {**raw, "fired_sent": bool(raw.get("firing")) and raw.get("last_sent_at") is not None}
             raw = {k: v for k, v in raw.items() if k in fields}
-            raw["since"] = mono(raw.get("since"))
-            raw["last_sent_at"] = mono(raw.get("last_sent_at"))
+            for name in BOOK_TIME_FIELDS:
+                raw[name] = mono(raw.get(name))
             entries.append((key, AlertEntry(**raw)))
         silenced = tuple(sorted((k, float(u) - offset) for k, u in (data.get("silenced") or {}).items()))
     except (TypeError, ValueError, AttributeError):

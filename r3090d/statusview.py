@@ -49,6 +49,9 @@ def evaluate(doc: dict | None, *, running: bool, now: float) -> Verdict:
     phase = engine.get("phase") or "unknown"
     crit: list[str] = []
     warn: list[str] = []
+    waiting = (doc.get("waiting") or {}).get("for")
+    if waiting:
+        return Verdict(exitcodes.WARNING, (f"r3090d is waiting for preflight before starting the engine: {waiting}",))
     if phase == "given-up":
         crit.append(f"gave up: {doc.get('give_up_reason') or 'too many restarts'}")
     elif phase in ("stopped", "shutting-down"):
@@ -129,6 +132,8 @@ def panel(doc: dict, verdict: Verdict, now: float, *, note: str | None = None) -
         lines.append(f"Next       {doc['next_action']}")
     if doc.get("give_up_reason"):
         lines.append(f"Gave up    {doc['give_up_reason']}")
+    elif (doc.get("restarts") or {}).get("last_root_cause"):
+        lines.append(f"Last cause {doc['restarts']['last_root_cause']}")
     usage = metrics.get("kv_usage")
     if usage is not None or metrics.get("free_blocks") is not None:
         total = metrics.get("num_gpu_blocks")

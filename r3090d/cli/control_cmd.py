@@ -88,7 +88,7 @@ def _status(cfg) -> dict | None:
 def wait_ready(cfg, old_generation, old_pid, timeout: float, *, quiet: bool) -> dict:
     """Follow the phases until a new engine is ready; print each change."""
     start = time.monotonic()
-    last_phase = "ready"  # what the engine was when the restart was accepted
+    last_phase = "ready"  # what the engine was when the restart was accepted (a given-up start prints its phase)
     last_seen = start
     while True:
         now = time.monotonic()
@@ -112,7 +112,8 @@ def wait_ready(cfg, old_generation, old_pid, timeout: float, *, quiet: bool) -> 
             )
             if phase == "ready" and new_engine:
                 return {"ok": True, "message": f"ready after {now - start:.1f} s (engine pid {engine.get('pid')})", "ready_after_s": round(now - start, 2), "pid": engine.get("pid")}
-            if phase == "given-up":
+            # The given-up state a restart starts from is not its answer; one the new engine reaches is.
+            if phase == "given-up" and new_engine:
                 return {"ok": False, "error": f"r3090d gave up: {doc.get('give_up_reason')}"}
             if phase == "shutting-down":
                 return {"ok": False, "error": "r3090d is shutting down"}

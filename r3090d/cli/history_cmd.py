@@ -33,7 +33,7 @@ def load_records(state_dir: str) -> list[tuple[str, dict | None, str | None]]:
 def summary(name: str, rec: dict | None, why: str | None) -> dict:
     if rec is None:
         return {"file": name, "error": why}
-    return {"file": name, "time": rec.get("time"), "reason": rec.get("reason"), "detail": rec.get("detail"), "ready_after_s": rec.get("ready_after_s")}
+    return {"file": name, "time": rec.get("time"), "reason": rec.get("reason"), "detail": rec.get("detail"), "root_cause": rec.get("root_cause"), "ready_after_s": rec.get("ready_after_s")}
 
 
 @ctl.command("history")
@@ -68,13 +68,13 @@ def history_command(number, as_json, config_path, instance) -> int:
     if not records:
         click.echo(f"no restarts recorded in {folder}")
         return exitcodes.OK
-    rows = [("#", "time", "reason", "ready after", "detail")]
+    rows = [("#", "time", "reason", "ready after", "root cause or detail")]
     for i, (name, rec, why) in enumerate(records, 1):
         if rec is None:
             rows.append((str(i), "-", "?", "-", f"unreadable {name}: {why}"))
             continue
         ready = rec.get("ready_after_s")
-        rows.append((str(i), statusview.clock(rec.get("time")), str(rec.get("reason")), f"{ready:.1f} s" if isinstance(ready, int | float) else "not ready", str(rec.get("detail") or "")[:90]))
+        rows.append((str(i), statusview.clock(rec.get("time")), str(rec.get("reason")), f"{ready:.1f} s" if isinstance(ready, int | float) else "not ready", str(rec.get("root_cause") or rec.get("detail") or "")[:90]))
     widths = [max(len(r[c]) for r in rows) for c in range(4)]
     for r in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
@@ -87,6 +87,8 @@ def show(number: int, path, rec: dict) -> None:
     echo(f"Restart #{number}  {path}")
     echo(f"Time       {statusview.clock(rec.get('time'))}")
     echo(f"Reason     {rec.get('reason')}: {rec.get('detail')}")
+    if rec.get("root_cause"):
+        echo(f"Root cause {rec['root_cause']}")
     echo(f"Ready      {'after ' + format(ready, '.1f') + ' s' if isinstance(ready, int | float) else 'not (yet) ready after this restart'}")
     snap = rec.get("snapshot") or {}
     child = snap.get("child") or {}

@@ -24,6 +24,7 @@ import time
 import psutil
 
 from r3090d.model import ChildSample
+from r3090d.rootcause import root_cause
 
 log = logging.getLogger("r3090d.engine")
 
@@ -115,6 +116,7 @@ class EngineProcess:
             self._exited_at = None
             self._spawn_error = None
             self._started_at = time.monotonic()
+            self._tail.clear()  # a root cause must come from this engine's own output
             try:
                 proc = subprocess.Popen(
                     argv,
@@ -239,6 +241,10 @@ class EngineProcess:
                 spawn_error=self._spawn_error,
                 generation=self._generation,
             )
+            if self._spawn_error is not None:
+                fields["root_cause"] = self._spawn_error
+            elif self._exit_code is not None:
+                fields["root_cause"] = root_cause(list(self._tail))  # a copy: the reader thread appends
         tree = group_members(pgid) if pgid is not None else ()
         return ChildSample(tree_pids=tree, **fields)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -136,6 +138,19 @@ def test_engine_version_read_from_the_engine_python(tmp_path):
 
 # ------------------------------------------------- bad configs through the CLI
 
+NOT_UTF8 = b"\xff\xfe"
+
+
+def secret_file(model_dir: Path, content: bytes | None) -> Path:
+    """A secret file beside the model directory; None makes it a FIFO with no writer."""
+    path = model_dir.parent / "secret"
+    if content is None:
+        os.mkfifo(path)
+    else:
+        path.write_bytes(content)
+    return path
+
+
 BAD_CONFIGS = [
     # (name, file body builder, expected key in the message)
     ("syntax", lambda m: f'[engine]\nmodel = "{m}"\nport = \n', "TOML syntax error"),
@@ -159,6 +174,13 @@ BAD_CONFIGS = [
     ("bad choice", lambda m: base(m, rest='[alerts.email]\nsecurity = "tls"\n'), "alerts.email.security"),
     ("missing api key file", lambda m: base(m, 'api_key_file = "/nonexistent/key"'), "engine.api_key_file"),
     ("engine python missing", lambda m: base(m).replace(sys.executable, "/nonexistent/python"), "engine.python"),
+    ("path component too long", lambda m: base(m).replace(str(m), f"/srv/{'m' * 300}"), "engine.model"),
+    ("NUL in a path", lambda m: base(m).replace(sys.executable, "/usr/bin/py\\u0000thon"), "engine.python"),
+    ("nested 2000 deep", lambda m: base(m, "extra_args = " + "[" * 2000 + "]" * 2000), "nested"),
+    ("nan", lambda m: base(m, rest="[watchdog]\npoll_interval = nan\n"), "watchdog.poll_interval"),
+    ("non-UTF-8 api key file", lambda m: base(m, f'api_key_file = "{secret_file(m, NOT_UTF8)}"'), "engine.api_key_file"),
+    ("api key file is a FIFO", lambda m: base(m, f'api_key_file = "{secret_file(m, None)}"'), "engine.api_key_file"),
+    ("misspelt throttle reason", lambda m: base(m, rest='[watchdog]\nthrottle_warn_reasons = ["hw_slowdwn"]\n'), "watchdog.throttle_warn_reasons[0]"),
 ]
 
 
@@ -203,3 +225,288 @@ def test_config_check_reports_alert_channel_mistakes(tmp_path, model_dir):
     out = subprocess.run([sys.executable, "-c", "from r3090d.cli import ctl_main; ctl_main()", "config", "check", "--config", str(path)], capture_output=True, text=True)
     assert out.returncode == 78, out.stderr
     assert "alerts.syslog.facility" in out.stderr and "Traceback" not in out.stderr
+
+
+# ------------------------------------------- malformed values: ConfigError, never a traceback
+
+
+def from_base(model_dir, **sections) -> dict:
+    """A minimal valid config as a dict, with sections merged in."""
+    data = {"engine": {"python": sys.executable, "model": str(model_dir)}, "gpu": {"required": False}}
+    for name, table in sections.items():
+        if isinstance(table, dict):
+            data.setdefault(name, {}).update(table)
+        else:
+            data[name] = table
+    return data
+
+
+def refused(data, *, key: str, problem: str = "", instance=None, check_files=True) -> ConfigError:
+    with pytest.raises(ConfigError) as err:
+        configmod.from_dict(data, "r3090d.toml", instance, check_files=check_files)
+    line = err.value.one_line()
+    assert err.value.key == key, line
+    assert line.startswith(f"r3090d.toml: {key}: "), line
+    assert problem in line, line
+    assert "(fix: " in line and "\n" not in line, line
+    return err.value
+
+
+LONG = "x" * 256
+
+
+@pytest.mark.parametrize(
+    "section,key",
+    [("daemon", "state_dir"), ("daemon", "runtime_dir"), ("engine", "python"), ("engine", "model"), ("engine", "api_key_file")],
+)
+def test_path_component_over_255_bytes_is_refused(model_dir, section, key):
+    data = from_base(model_dir, **{section: {key: f"/srv/{LONG}/x"}})
+    refused(data, key=f"{section}.{key}", problem="longer than 255 bytes")
+    # Multi-byte characters count in bytes, as the kernel counts them.
+    data = from_base(model_dir, **{section: {key: "/srv/" + "é" * 128}})
+    refused(data, key=f"{section}.{key}", problem="longer than 255 bytes")
+
+
+def test_password_file_path_is_checked(model_dir):
+    email = {"enabled": True, "recipients": ["ops@example.org"], "username": "u", "password_file": f"/etc/{LONG}"}
+    refused(from_base(model_dir, alerts={"email": email}), key="alerts.email.password_file", problem="longer than 255 bytes")
+
+
+@pytest.mark.parametrize("section,key", [("engine", "python"), ("engine", "model"), ("engine", "api_key_file"), ("daemon", "state_dir"), ("engine", "served_model_name")])
+def test_nul_byte_in_a_string_is_refused(model_dir, section, key):
+    refused(from_base(model_dir, **{section: {key: "/srv/a\0b"}}), key=f"{section}.{key}", problem="NUL")
+
+
+def test_non_utf8_api_key_file_is_refused(tmp_path, model_dir):
+    key = tmp_path / "key"
+    key.write_bytes(b"\xff\xfe-latin1-\xe9\n")
+    refused(from_base(model_dir, engine={"api_key_file": str(key)}), key="engine.api_key_file", problem="not UTF-8")
+
+
+def test_non_utf8_smtp_password_file_is_refused(tmp_path, model_dir):
+    pw = tmp_path / "pw"
+    pw.write_bytes(b"\xff\xfe\n")
+    email = {"enabled": True, "recipients": ["ops@example.org"], "username": "u", "password_file": str(pw)}
+    refused(from_base(model_dir, alerts={"email": email}), key="alerts.email.password_file", problem="not UTF-8")
+
+
+def test_deeply_nested_toml_is_a_config_error(tmp_path, model_dir):
+    path = write(tmp_path, base(model_dir, "extra_args = " + "[" * 2000 + "]" * 2000))
+    with pytest.raises(ConfigError) as err:
+        configmod.load(path)
+    assert str(path) in str(err.value) and "nested" in str(err.value) and "fix:" in str(err.value)
+
+
+def test_integer_too_long_to_read_is_a_config_error(tmp_path, model_dir):
+    path = write(tmp_path, base(model_dir, "port = " + "1" * 5000))
+    with pytest.raises(ConfigError) as err:
+        configmod.load(path)
+    assert str(path) in str(err.value) and "fix:" in str(err.value)
+
+
+# ------------------------------------------------------------------ secret files
+
+
+def test_secret_from_a_character_device_is_refused_at_once(model_dir):
+    refused(from_base(model_dir, engine={"api_key_file": "/dev/zero"}), key="engine.api_key_file", problem="not a regular file")
+
+
+def test_secret_from_a_fifo_is_refused_without_blocking(tmp_path, model_dir):
+    fifo = tmp_path / "key.fifo"
+    os.mkfifo(fifo)
+    result: dict = {}
+
+    def attempt():
+        try:
+            configmod.from_dict(from_base(model_dir, engine={"api_key_file": str(fifo)}), "r3090d.toml")
+        except ConfigError as exc:
+            result["error"] = exc
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(timeout=30)  # a reader blocked on a FIFO with no writer never returns
+    if worker.is_alive():
+        # Unblock the stuck reader so the test process can exit.
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("reading a FIFO as the API key file blocked")
+    assert result["error"].key == "engine.api_key_file" and "not a regular file" in str(result["error"])
+
+
+def test_secret_over_the_size_cap_is_refused(tmp_path, model_dir):
+    key = tmp_path / "key"
+    key.write_bytes(b"k" * (configmod.SECRET_MAX_BYTES + 1))
+    refused(from_base(model_dir, engine={"api_key_file": str(key)}), key="engine.api_key_file", problem="over the")
+    key.write_bytes(b"k" * configmod.SECRET_MAX_BYTES)
+    assert configmod.from_dict(from_base(model_dir, engine={"api_key_file": str(key)})).api_key == "k" * configmod.SECRET_MAX_BYTES
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_secret_is_refused(tmp_path, model_dir):
+    key = tmp_path / "key"
+    key.write_text("k")
+    key.chmod(0)
+    refused(from_base(model_dir, engine={"api_key_file": str(key)}), key="engine.api_key_file", problem="cannot read")
+
+
+def test_secret_directory_is_refused(tmp_path, model_dir):
+    refused(from_base(model_dir, engine={"api_key_file": str(tmp_path)}), key="engine.api_key_file", problem="not a regular file")
+
+
+# ------------------------------------------------------------ non-finite numbers
+
+
+@pytest.mark.parametrize("text", ["nan", "+nan", "-nan", "inf", "+inf", "-inf", "1e400"])
+def test_non_finite_float_is_refused(tmp_path, model_dir, text):
+    path = write(tmp_path, base(model_dir, rest=f"[watchdog]\npoll_interval = {text}\n"))
+    with pytest.raises(ConfigError) as err:
+        configmod.load(path)
+    assert err.value.key == "watchdog.poll_interval" and "finite" in err.value.problem
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_profile_value_is_refused(model_dir, value):
+    data = from_base(model_dir, profiles={"realtime": {"gpu_memory_utilization": value}})
+    refused(data, key="profiles.realtime.gpu_memory_utilization", problem="finite")
+    # Also a profile no one selects: it still must not carry a NaN.
+    data = from_base(model_dir, profiles={"spare": {"gpu_memory_utilization": value}})
+    refused(data, key="profiles.spare.gpu_memory_utilization", problem="finite")
+
+
+def test_integer_too_large_for_a_float_is_refused(model_dir):
+    refused(from_base(model_dir, watchdog={"backoff_max": 1 << 1100}), key="watchdog.backoff_max", problem="out of range")
+
+
+def test_profile_table_values_are_normalised(model_dir):
+    cfg = configmod.from_dict(from_base(model_dir, profiles={"mine": {"max_num_seqs": 4}}))
+    assert cfg.profiles == {"mine": {"max_num_seqs": 4}}
+    assert configmod.resolve_profiles(cfg)["mine"].max_num_seqs == 4
+
+
+# ------------------------------------------------ values that used to fail later
+
+
+@pytest.mark.parametrize("section,key", [("daemon", "exporter_port"), ("engine", "port")])
+def test_port_plus_instance_offset_must_fit(model_dir, section, key):
+    data = from_base(model_dir, **{section: {key: 65535}})
+    assert configmod.from_dict(data, instance=None)  # no offset: fine
+    err = refused(data, key=f"{section}.{key}", problem="65536", instance=1)
+    assert "65534" in err.fix
+    assert configmod.from_dict(from_base(model_dir, **{section: {key: 65534}}), instance=1)
+
+
+def test_instance_beyond_the_gpu_index_range_is_refused(model_dir):
+    refused(from_base(model_dir), key="instance", instance=64)
+
+
+@pytest.mark.parametrize("raw", ["²", "1" * 5000, "-1", "64"])
+def test_bad_instance_in_the_environment_is_a_config_error(monkeypatch, raw):
+    monkeypatch.setenv(configmod.ENV_INSTANCE, raw)
+    with pytest.raises(ConfigError) as err:
+        configmod.instance_from_env()
+    assert err.value.key == configmod.ENV_INSTANCE
+
+
+def test_long_served_model_name_is_refused(model_dir):
+    refused(from_base(model_dir, engine={"served_model_name": "m" * 200_000}), key="engine.served_model_name", problem="bytes")
+    assert configmod.from_dict(from_base(model_dir, engine={"served_model_name": "m" * 1024}))
+
+
+def test_extra_args_and_env_share_a_size_budget(model_dir):
+    args = ["--x"] + ["y" * 4000] * 20
+    refused(from_base(model_dir, engine={"extra_args": args}), key="engine.extra_args", problem="budget")
+    env = {f"V{i}": "y" * 4000 for i in range(20)}
+    refused(from_base(model_dir, engine={"env": env}), key="engine.env", problem="budget")
+    assert configmod.from_dict(from_base(model_dir, engine={"extra_args": args[:5], "env": dict(list(env.items())[:5])}))
+
+
+def test_throttle_reason_names_are_checked(model_dir):
+    err = refused(from_base(model_dir, watchdog={"throttle_warn_reasons": ["hw_slowdown", "hw_slowdwn"]}), key="watchdog.throttle_warn_reasons[1]", problem="hw_slowdwn")
+    assert "hw_slowdown" in err.fix
+    refused(from_base(model_dir, watchdog={"throttle_warn_reasons": [1, 2]}), key="watchdog.throttle_warn_reasons[0]", problem="expected a string")
+    cfg = configmod.from_dict(from_base(model_dir, watchdog={"throttle_warn_reasons": ["sw_power_cap", "gpu_idle"]}))
+    assert cfg.watchdog.throttle_warn_reasons == ["sw_power_cap", "gpu_idle"]
+
+
+def test_every_clock_event_reason_nvml_reports_is_accepted():
+    pynvml = pytest.importorskip("pynvml")
+    from r3090d.probes.nvml import clock_reason_table
+
+    names = set(clock_reason_table(pynvml).values())
+    assert names and names <= configmod.CLOCK_EVENT_REASONS
+
+
+@pytest.mark.parametrize(
+    "section,table,key",
+    [
+        ("engine", {"extra_args": ["--ok", 1]}, "engine.extra_args[1]"),
+        ("engine", {"extra_args": [["--nested"]]}, "engine.extra_args[0]"),
+        ("engine", {"env": {"A": 1}}, "engine.env.A"),
+        ("engine", {"env": {"A=B": "1"}}, 'engine.env."A=B"'),
+        ("engine", {"env": {"": "1"}}, 'engine.env.""'),
+        ("alerts", {"email": {"recipients": ["ops@example.org", 7]}}, "alerts.email.recipients[1]"),
+    ],
+)
+def test_list_and_table_elements_are_checked(model_dir, section, table, key):
+    refused(from_base(model_dir, **{section: table}), key=key)
+
+
+def test_utf8_byte_order_mark_is_accepted(tmp_path, model_dir):
+    path = tmp_path / "r3090d.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + textwrap.dedent(base(model_dir, "port = 8123")).encode())
+    assert configmod.load(path).engine.port == 8123
+
+
+def test_error_line_stays_one_line_for_odd_keys_and_values(model_dir):
+    # Keys that are not bare TOML keys are quoted as TOML quotes them.
+    err = refused(from_base(model_dir, engine={"pr\not": 1}), key='engine."pr\\not"')
+    assert "pr\\not" in err.one_line()
+    err = refused(from_base(model_dir, engine={"p" * 10_000: 1}), key=f'engine.{"p" * 60}...')
+    err = refused(from_base(model_dir, engine={"port": "8\n0" * 10_000}), key="engine.port")
+    assert len(err.one_line()) < 500
+
+
+# ------------------------------------------------------------------- migration
+
+
+def test_removed_restart_keys_are_migrated_with_warnings(model_dir):
+    data = from_base(model_dir, watchdog={"give_up_restarts": 4, "give_up_window": 900.0, "stable_after": 600.0})
+    cfg = configmod.from_dict(data, "old.toml")
+    assert cfg.watchdog.start_failures == 5  # gave up after MORE than 4 failures
+    assert cfg.watchdog.restart_storm_window == 900.0
+    assert len(cfg.warnings) == 3
+    by_key = {w.split(": ")[1]: w for w in cfg.warnings}
+    assert set(by_key) == {"watchdog.give_up_restarts", "watchdog.give_up_window", "watchdog.stable_after"}
+    assert "watchdog.start_failures = 5" in by_key["watchdog.give_up_restarts"]
+    assert "watchdog.restart_storm_window" in by_key["watchdog.give_up_window"]
+    assert "ignored" in by_key["watchdog.stable_after"] and "watchdog.min_uptime" in by_key["watchdog.stable_after"]
+    for w in cfg.warnings:
+        assert w.startswith("old.toml: watchdog.") and "(fix: " in w and "\n" not in w
+    # The caller's dict is left as it was.
+    assert "give_up_restarts" in data["watchdog"]
+
+
+def test_new_key_wins_over_its_removed_predecessor(model_dir):
+    data = from_base(model_dir, watchdog={"give_up_restarts": 4, "start_failures": 2, "give_up_window": 900.0, "restart_storm_window": 60.0})
+    cfg = configmod.from_dict(data)
+    assert cfg.watchdog.start_failures == 2 and cfg.watchdog.restart_storm_window == 60.0
+    assert len(cfg.warnings) == 2 and all("wins" in w for w in cfg.warnings)
+
+
+def test_removed_keys_are_still_type_checked(model_dir):
+    refused(from_base(model_dir, watchdog={"give_up_restarts": "5"}), key="watchdog.give_up_restarts", problem="integer")
+    refused(from_base(model_dir, watchdog={"stable_after": float("nan")}), key="watchdog.stable_after", problem="finite")
+
+
+def test_current_config_has_no_warnings(tmp_path, model_dir):
+    assert configmod.load(write(tmp_path, base(model_dir))).warnings == ()
+    assert configmod.load(REPO / "etc" / "r3090d.toml", check_files=False).warnings == ()
+
+
+def test_config_check_prints_migration_warnings(tmp_path, model_dir):
+    path = write(tmp_path, base(model_dir, rest="[watchdog]\ngive_up_restarts = 3\n"))
+    python = venv_with_vllm(tmp_path, "__version__ = '0.32.0'\n")
+    path.write_text(path.read_text().replace(sys.executable, python))
+    out = subprocess.run([sys.executable, "-c", "from r3090d.cli import ctl_main; ctl_main()", "config", "check", "--config", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    warn = [line for line in out.stderr.splitlines() if line.startswith("WARN ")]
+    assert len(warn) == 1 and "watchdog.give_up_restarts" in warn[0] and "start_failures = 4" in warn[0]

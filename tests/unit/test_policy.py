@@ -133,9 +133,9 @@ def test_unrequested_exit_is_a_failure_whatever_the_code(code):
     assert st.phase is Phase.STARTING and st.generation == 2
 
 
-def crash_and_restart(st, c, now, gen):
-    """One unrequested exit with the tree already gone; returns (delay until start, state)."""
-    dead = ChildSample(pid=100, alive=False, exit_code=0, tree_pids=(), generation=gen)
+def crash_and_restart(st, c, now, gen, *, cause=None, phase_ready=True):
+    """One unrequested exit with the tree already gone; returns (delay until start, state, actions)."""
+    dead = ChildSample(pid=100, alive=False, exit_code=0, tree_pids=(), generation=gen, root_cause=cause)
     acts, st = policy.decide(snap(now, ch=dead), st, c, now)
     if st.phase is Phase.GIVEN_UP:
         return None, st, acts
@@ -146,52 +146,147 @@ def crash_and_restart(st, c, now, gen):
     return t - now, st, acts
 
 
-def test_backoff_doubles_caps_and_resets_after_stability():
-    c = cfg(backoff_initial=1.0, backoff_max=4.0, stable_after=50.0, give_up_restarts=100)
+def fail_during_start(st, c, now, gen, cause=None):
+    """The engine of `gen` exits before /health ever answered."""
+    dead = ChildSample(pid=100, alive=False, exit_code=1, tree_pids=(), generation=gen, root_cause=cause)
+    return crash_and_restart(st, c, now, gen, cause=cause) if st.phase is not Phase.STARTING else _start_exit(st, c, now, dead)
+
+
+def _start_exit(st, c, now, dead):
+    acts, st = policy.decide(snap(now, ch=dead, health=REFUSED), st, c, now)
+    if st.phase is Phase.GIVEN_UP:
+        return None, st, acts
+    t = now
+    while not any(isinstance(a, StartEngine) for a in acts):
+        t += 0.25
+        acts, st = policy.decide(snap(t, ch=dead, health=REFUSED), st, c, t)
+    return t - now, st, acts
+
+
+def alerts_of(acts, key):
+    return [a.state for a in acts if isinstance(a, SendAlert) and a.key == key]
+
+
+def test_recoverable_faults_after_a_healthy_period_restart_at_once_for_ever():
+    """20 faults, each 10 s after the engine is ready again: no backoff, no give-up, one storm alert."""
+    c = cfg(min_uptime=5.0, backoff_initial=1.0, backoff_max=4.0, start_failures=3, restart_storm_restarts=3, restart_storm_window=120.0, alerts={"min_interval": 0.0})
     st = ready_state(c)
-    delays = []
-    now = 10.0
-    for gen in range(1, 7):
-        delay, st, _ = crash_and_restart(st, c, now, gen)
+    now, sent = 10.0, []
+    for gen in range(1, 21):
+        delay, st, acts = crash_and_restart(st, c, now, gen)
+        sent += alerts_of(acts, "restart_storm")
+        assert delay == 0.0, f"fault {gen} waited {delay} s"
+        assert st.phase is Phase.STARTING
+        now += 1.0
+        acts, st = policy.decide(snap(now, ch=child(gen=gen + 1)), st, c, now)  # ready again
+        sent += alerts_of(acts, "restart_storm")
+        assert st.phase is Phase.READY and st.start_failures == 0
+        now += 10.0
+        acts, st = policy.decide(snap(now, ch=child(gen=gen + 1)), st, c, now)
+        sent += alerts_of(acts, "restart_storm")
+    assert st.restarts_total == 20 and st.give_up_reason is None
+    assert sent == ["firing"]
+    # The storm ends: once the restarts age out of the window, one RESOLVED.
+    for _ in range(200):
+        now += 2.0
+        acts, st = policy.decide(snap(now, ch=child(gen=21)), st, c, now)
+        sent += alerts_of(acts, "restart_storm")
+    assert sent == ["firing", "resolved"]
+
+
+def test_start_failures_back_off_and_give_up_after_start_failures():
+    c = cfg(min_uptime=60.0, backoff_initial=1.0, backoff_max=4.0, start_failures=5, same_cause_failures=100)
+    st = policy.initial_state(0.0)
+    _, st = policy.decide(snap(0, ch=ChildSample(), health=REFUSED), st, c, 0)
+    delays, now = [], 1.0
+    for gen in range(1, 6):
+        delay, st, acts = fail_during_start(st, c, now, gen, cause=f"cause {gen}")
         delays.append(delay)
+        if delay is None:
+            break
         now += delay + 1
-        _, st = policy.decide(snap(now, ch=child(gen=gen + 1)), st, c, now)  # ready again
-        assert st.phase is Phase.READY
-    assert delays == [0.0, 1.0, 2.0, 4.0, 4.0, 4.0]
-    # Stable for stable_after seconds: the next restart is immediate again.
-    now += 50.0
-    _, st = policy.decide(snap(now, ch=child(gen=7)), st, c, now)
-    assert st.backoff_level == 0
-    delay, st, _ = crash_and_restart(st, c, now + 1, 7)
-    assert delay == 0.0
+    assert delays == [0.0, 1.0, 2.0, 4.0, None]
+    assert st.phase is Phase.GIVEN_UP and "5 start failures in a row" in st.give_up_reason and "cause 5" in st.give_up_reason
+    assert alerts_of(acts, "gave_up") == ["firing"]
+    assert not any(isinstance(a, Exit) for a in acts)
 
 
-def test_give_up_after_n_restarts_in_window():
-    c = cfg(backoff_initial=0.0, backoff_max=0.0, give_up_restarts=3, give_up_window=100.0)
+def test_a_failure_soon_after_ready_is_a_start_failure():
+    c = cfg(min_uptime=60.0, backoff_initial=1.0, backoff_max=4.0, start_failures=3, same_cause_failures=100)
     st = ready_state(c)
-    now = 10.0
+    now = 10.0  # ready for 9 s < min_uptime
+    delays = []
     for gen in range(1, 4):
         delay, st, _ = crash_and_restart(st, c, now, gen)
-        assert delay is not None
-        now += 1
-        _, st = policy.decide(snap(now, ch=child(gen=gen + 1)), st, c, now)
-    # The fourth failure within 100 s gives up.
-    delay, st, acts = crash_and_restart(st, c, now, 4)
+        delays.append(delay)
+        if delay is None:
+            break
+        now += delay + 1
+        _, st = policy.decide(snap(now, ch=child(gen=gen + 1)), st, c, now)  # ready again, briefly
+        now += 5
+    assert delays == [0.0, 1.0, None] and st.phase is Phase.GIVEN_UP
+
+
+def test_two_identical_root_causes_give_up_early():
+    c = cfg(start_failures=10, same_cause_failures=2, backoff_initial=0.0, backoff_max=0.0)
+    st = policy.initial_state(0.0)
+    _, st = policy.decide(snap(0, ch=ChildSample(), health=REFUSED), st, c, 0)
+    why = "ValueError: To serve at least one request with the model's max seq len (1024)"
+    delay, st, _ = fail_during_start(st, c, 1.0, 1, cause=why)
+    assert delay == 0.0
+    delay, st, acts = fail_during_start(st, c, 2.0, 2, cause=why)
     assert delay is None and st.phase is Phase.GIVEN_UP
-    assert any(isinstance(a, SendAlert) and a.key == "gave_up" and a.severity == "critical" for a in acts)
-    acts, st = policy.decide(snap(now + 1, ch=ChildSample(pid=1, alive=False, generation=4)), st, c, now + 1)
+    assert "2 start failures in a row with the same cause" in st.give_up_reason and why in st.give_up_reason
+    assert RecordRestart(reason="exited", detail="engine exited during start with code 1", root_cause=why) in acts
+    assert any(isinstance(a, SendAlert) and a.key == "gave_up" and why in a.summary for a in acts)
+
+
+def test_different_root_causes_do_not_count_as_same_cause():
+    c = cfg(start_failures=10, same_cause_failures=2, backoff_initial=0.0, backoff_max=0.0)
+    st = policy.initial_state(0.0)
+    _, st = policy.decide(snap(0, ch=ChildSample(), health=REFUSED), st, c, 0)
+    for gen, why in enumerate(["A", "B", "A", "B"], start=1):
+        delay, st, _ = fail_during_start(st, c, float(gen), gen, cause=why)
+        assert delay is not None
+
+
+def given_up_state(c):
+    st = policy.initial_state(0.0)
+    _, st = policy.decide(snap(0, ch=ChildSample(), health=REFUSED), st, c, 0)
+    delay, st, _ = fail_during_start(st, c, 1.0, 1, cause="X")
+    assert delay is None and st.phase is Phase.GIVEN_UP
+    return st
+
+
+def test_given_up_stays_up_until_an_operator_restart_then_resolves_on_ready():
+    from r3090d.model import RestartKind
+
+    c = cfg(start_failures=1, backoff_initial=0.0, backoff_max=0.0)
+    st = given_up_state(c)
+    gone = ChildSample(pid=100, alive=False, exit_code=1, tree_pids=(), generation=1)
+    for t in range(2, 30):  # the daemon stays; nothing is started, nothing exits
+        acts, st = policy.decide(snap(t, ch=gone, health=HealthSample(HealthStatus.SKIPPED)), st, c, t)
+        assert kinds(acts) == [] and st.phase is Phase.GIVEN_UP
+    # A reload's restart never cold-starts a given-up engine.
+    acts, st = policy.decide(snap(30, ch=gone, restart_requested=RestartKind.CONFIG), st, c, 30)
+    assert kinds(acts) == [] and st.phase is Phase.GIVEN_UP
+    acts, st = policy.decide(snap(31, ch=gone, restart_requested=RestartKind.DRAIN), st, c, 31)
+    assert kinds(acts) == ["StartEngine"] and st.phase is Phase.STARTING and st.start_failures == 0
+    assert alerts_of(acts, "gave_up") == []  # not resolved until the engine is ready
+    acts, st = policy.decide(snap(40, ch=child(gen=2)), st, c, 40)
+    assert st.phase is Phase.READY
+    resolved = alerts_of(acts, "gave_up")
+    for t in range(41, 50):
+        acts, st = policy.decide(snap(t, ch=child(gen=2)), st, c, t)
+        resolved += alerts_of(acts, "gave_up")
+    assert resolved == ["resolved"]
+
+
+def test_exit_on_give_up_restores_exit_79():
+    c = config.from_dict({"profile": "none", "engine": {"model": "m"}, "gpu": {"required": False}, "watchdog": {"start_failures": 1}, "daemon": {"exit_on_give_up": True}}, check_files=False)
+    st = given_up_state(c)
+    acts, st = policy.decide(snap(5, ch=ChildSample(pid=1, alive=False, generation=1)), st, c, 5)
     assert Exit(code=exitcodes.GAVE_UP, reason=st.give_up_reason) in acts
-
-
-def test_failures_outside_the_window_do_not_count():
-    c = cfg(backoff_initial=0.0, backoff_max=0.0, give_up_restarts=2, give_up_window=100.0)
-    st = ready_state(c)
-    now = 10.0
-    for gen in range(1, 6):
-        delay, st, _ = crash_and_restart(st, c, now, gen)
-        assert delay is not None, f"gave up at failure {gen}"
-        now += 60.0  # two failures never share a 100 s window with a third
-        _, st = policy.decide(snap(now, ch=child(gen=gen + 1)), st, c, now)
 
 
 def test_shutdown_drains_then_exits_zero():
