@@ -84,7 +84,9 @@ def resolve_hold(ac: AlertsConfig, key: str) -> float:
     return ac.kv_pressure_resolve_hold if key == KV_PRESSURE else ac.resolve_hold
 
 
-def evaluate(conditions: list[Condition], book: AlertBook, cfg: Config, now: float) -> tuple[list[SendAlert], AlertBook]:
+def evaluate(
+    conditions: list[Condition], book: AlertBook, cfg: Config, now: float
+) -> tuple[list[SendAlert], AlertBook]:
     ac = cfg.alerts
     entries = dict(book.entries)
     out: list[SendAlert] = []
@@ -128,7 +130,12 @@ def _on_active(
     c: Condition, e: AlertEntry, ac: AlertsConfig, now: float, muted: bool
 ) -> tuple[AlertEntry, SendAlert | None]:
     e = replace(
-        e, active_polls=e.active_polls + 1, inactive_polls=0, clear_since=None, severity=c.severity, summary=c.summary
+        e,
+        active_polls=e.active_polls + 1,
+        inactive_polls=0,
+        clear_since=None,
+        severity=c.severity,
+        summary=c.summary,
     )
     if not e.firing and e.active_polls >= _polls_needed(c, ac):
         e = replace(e, firing=True, since=now)
@@ -139,18 +146,22 @@ def _on_active(
         # it goes out at the first poll it may, as long as the condition still fires.
         if not _rate_ok(e, ac, now):
             return e, None
-        return replace(e, fired_sent=True, last_sent_at=now), SendAlert(c.key, c.severity, AlertState.FIRING, c.summary)
+        return replace(e, fired_sent=True, last_sent_at=now), SendAlert(
+            c.key, c.severity, AlertState.FIRING, c.summary
+        )
     due = max(ac.reminder_interval, ac.min_interval)
     if ac.reminder_interval > 0 and (e.last_sent_at is None or now - e.last_sent_at >= due):
         return replace(e, last_sent_at=now), SendAlert(c.key, c.severity, AlertState.REMINDER, c.summary)
     return e, None
 
 
-def _on_inactive(c: Condition, e: AlertEntry, ac: AlertsConfig, now: float) -> tuple[AlertEntry, SendAlert | None]:
+def _on_inactive(
+    c: Condition, e: AlertEntry, ac: AlertsConfig, now: float
+) -> tuple[AlertEntry, SendAlert | None]:
     clear_since = e.clear_since if e.clear_since is not None else now
     e = replace(e, inactive_polls=e.inactive_polls + 1, active_polls=0, clear_since=clear_since)
     if not e.firing or e.inactive_polls < _polls_needed(c, ac) or now - clear_since < resolve_hold(ac, c.key):
-        return e, None  # still inside the hold: a return of the condition continues this episode
+        return e, None  # not firing, or not clear long enough: a return continues this episode
     owed = e.fired_sent
     e = replace(e, firing=False, since=None, fired_sent=False, summary=c.summary)
     if not owed:

@@ -197,3 +197,50 @@ def _check_ctl_status(systemd_ns, config: Path, n: int, engine_port: int) -> Non
     assert state["daemon"]["instance"] == n
     assert state["engine"]["url"] == f"http://127.0.0.1:{engine_port}"
     assert state["engine"]["phase"] == "ready"
+
+
+def test_deterministic_start_failure_gives_up_and_the_unit_stays_active(unit_factory, tiny_model, fake_engine_python, systemd_ns):
+    """A start that fails the same way twice gives up; the unit still becomes active, says why, and recovers on restart."""
+    # The double's KV cache (8 blocks of 16 tokens) cannot hold the profile's 4096-token max_model_len:
+    # every start fails in EngineCore with the same ValueError, as vLLM's does.
+    broken = fake_config(fake_engine_python, tiny_model, engine__extra_args='["--fake-num-gpu-blocks", "8"]')
+    config = write_public(TEST_ROOT / "config-give-up.toml", broken)
+    state_file = Path("/var/lib/r3090d/state.json")
+    unit = unit_factory("r3090d.service", "r3090d-give-up.log")
+    unit.reset()
+    unit.configure(config)
+    state_file.unlink(missing_ok=True)
+
+    started = systemd_ns.ctl("start", unit.name, check=False, timeout=120)
+    assert started.returncode == 0, unit.describe()  # READY=1 comes with the give-up: the start job returns
+    assert unit.state() == "active", unit.describe()
+    doc = unit.wait_for(lambda: _phase_state(state_file, "given-up"), 30, "given-up in the state file")
+    cause = "ValueError: To serve at least one request"
+    assert cause in doc["give_up_reason"] and "same cause" in doc["give_up_reason"], doc["give_up_reason"]
+    assert cause in unit.show("StatusText")["StatusText"]  # what `systemctl status` shows
+    ctl = f"{PREFIX}/bin/r3090ctl"
+    out = systemd_ns.nsenter(["env", f"R3090D_CONFIG={config}", ctl, "status", "--json"], check=False)
+    assert out.returncode == exitcodes.CRITICAL, out.stdout + out.stderr
+    reasons = json.loads(out.stdout)["reasons"]
+    assert reasons[0].startswith("gave up:") and cause in reasons[0], reasons
+    assert unit.pids() == {unit.main_pid()}, "the given-up engine must be stopped, the daemon alone left"
+
+    # The config is fixed: reload alone does not start it; restart does, and gave_up resolves.
+    write_public(config, fake_config(fake_engine_python, tiny_model))
+    out = systemd_ns.nsenter(["env", f"R3090D_CONFIG={config}", ctl, "reload"], check=False)
+    assert out.returncode == 0 and "stays stopped" in out.stdout, out.stdout + out.stderr
+    assert _phase_state(state_file, "given-up")
+    out = systemd_ns.nsenter(["env", f"R3090D_CONFIG={config}", ctl, "restart", "--wait"], check=False, timeout=120)
+    assert out.returncode == 0 and "ready after" in out.stdout, out.stdout + out.stderr + unit.describe()
+    unit.wait_for(lambda: (d := _phase_state(state_file, "ready")) and "gave_up" not in d["alerts"]["firing"], 30, "gave_up resolved")
+    assert "alert gave_up resolved" in unit.output()
+    systemd_ns.ctl("stop", unit.name, timeout=120)
+    assert unit.state() == "inactive"
+
+
+def _phase_state(path: Path, phase: str):
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if doc.get("engine", {}).get("phase") == phase else None

@@ -1009,7 +1009,17 @@ class Lifecycle:
         self.host = host
 
     def fail_start(self, code: int, message: str) -> None:
-        log(message, "ERROR", "core.py")
+        """As vLLM 0.32 fails a start: EngineCore prints the real exception, then the
+        API server prints its own follow-on traceback, so the last lines name the symptom."""
+        stamp = time.strftime("%m-%d %H:%M:%S")
+        core = f"(EngineCore_DP0 pid={self.app.engine.pid})"
+        with _print_lock:
+            print(f"{core} ERROR {stamp} [core.py:708] EngineCore failed to start.", flush=True)
+            print(f"{core} ERROR {stamp} [core.py:708] Traceback (most recent call last):", flush=True)
+            print(f"{core} ERROR {stamp} [core.py:708] {message}", flush=True)
+            print("Traceback (most recent call last):", flush=True)
+            print('  File "<frozen runpy>", line 198, in _run_module_as_main', flush=True)
+            print("RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}", flush=True)
         self.app.engine.stop(self.opts.fake_core_shutdown_wait)
         exit_now(code)
 
@@ -1035,7 +1045,7 @@ class Lifecycle:
             if event[0] == "engine_dead":
                 self.fail_start(1, "RuntimeError: Engine core initialization failed. See root cause above.")
         if o.fake_exit_during_start is not None:
-            self.fail_start(o.fake_exit_during_start, "RuntimeError: Engine core initialization failed. See root cause above. (--fake-exit-during-start)")
+            self.fail_start(o.fake_exit_during_start, "RuntimeError: the engine failed to start (--fake-exit-during-start)")
         if o.max_model_len > o.kv_capacity_tokens:
             self.fail_start(1, f"ValueError: To serve at least one request with the models's max seq len ({o.max_model_len}), "
                                f"the KV cache needs {o.max_model_len} tokens, more than its {o.kv_capacity_tokens}.")  # fmt: skip

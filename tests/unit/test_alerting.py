@@ -24,7 +24,9 @@ def config(**alerts) -> Config:
     return Config(alerts=AlertsConfig(**alerts))
 
 
-def cond(active: bool, key: str = "kv_pressure", severity: str = "warning", immediate: bool = False) -> Condition:
+def cond(
+    active: bool, key: str = "kv_pressure", severity: str = "warning", immediate: bool = False
+) -> Condition:
     return Condition(key, active, severity, FIRING_TEXT if active else CLEAR_TEXT, immediate=immediate)
 
 
@@ -135,8 +137,13 @@ def test_resolved_and_firing_alternate_whatever_the_pattern(runs, hysteresis, mi
 )
 def test_no_resolved_without_a_sent_firing(case, active_polls, alerts, muted_until):
     cfg = config(**alerts)
-    sent, book = drive(lambda i: i < len(active_polls) and bool(active_polls[i]), len(active_polls), cfg,
-                       key="gpu_memory", muted_until=muted_until)
+    sent, book = drive(
+        lambda i: i < len(active_polls) and bool(active_polls[i]),
+        len(active_polls),
+        cfg,
+        key="gpu_memory",
+        muted_until=muted_until,
+    )
     opening = states(sent)
     expected = ["firing", "resolved"] if case == "rate-limited re-fire" else []
     assert opening == expected, case
@@ -208,7 +215,10 @@ def test_events_are_sent_as_they_happen_and_never_resolve(severity, gaps, expect
     for gap in gaps:
         now = 1000.0 + gap
         actions, book = alerting.evaluate(
-            [Condition("engine_restarted", True, severity, "engine restarted: dead", event=True)], book, cfg, now
+            [Condition("engine_restarted", True, severity, "engine restarted: dead", event=True)],
+            book,
+            cfg,
+            now,
         )
         sent += actions
         actions, book = alerting.evaluate(
