@@ -22,11 +22,10 @@ class WatchState:
     refused_polls: int = 0
     timeout_since: float | None = None
     kv_low_polls: int = 0
-    kv_low_tokens_at_start: float | None = None
-    kv_low_since: float | None = None
+    kv_low_since: float | None = None  # when the current shortage began
     kv_load: bool = False  # the last KV shortage was classified as load
-    tokens: float | None = None  # last generation_tokens_total seen
-    tokens_changed_at: float | None = None
+    progress: tuple[float | None, float | None, float | None] | None = None  # see progress_mark()
+    progress_at: float | None = None  # when progress_mark() last moved
     preemptions: tuple[tuple[float, float], ...] = ()  # (time, total), a short window
     probe_seen_finished_at: float | None = None
     probe_due_at: float | None = None
@@ -90,12 +89,23 @@ class Condition:
     immediate: bool = False  # a state, not a noisy reading: fire on the first active poll
 
 
-def _advance_tokens(snap: Snapshot, w: WatchState, now: float) -> WatchState:
-    tokens = snap.engine.generation_tokens_total
-    if tokens is None:
+def progress_mark(snap: Snapshot) -> tuple[float | None, float | None, float | None] | None:
+    """What moves while the engine works. vLLM counts prompt tokens only when a
+    prefill finishes, so a long chunked prefill moves neither token counter; it
+    does allocate KV blocks chunk by chunk, so KV usage moves. Any of the three
+    moving is progress. None: /metrics said nothing this poll (not "no progress")."""
+    eng = snap.engine
+    if eng.error is not None or eng.generation_tokens_total is None:
+        return None
+    return (eng.generation_tokens_total, eng.prompt_tokens_total, eng.kv_usage)
+
+
+def _advance_progress(snap: Snapshot, w: WatchState, now: float) -> WatchState:
+    mark = progress_mark(snap)
+    if mark is None:
         return w
-    if w.tokens is None or tokens != w.tokens:
-        return replace(w, tokens=tokens, tokens_changed_at=now)
+    if w.progress is None or mark != w.progress:
+        return replace(w, progress=mark, progress_at=now)
     return w
 
 
@@ -104,9 +114,9 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
     wd = cfg.watchdog
     if w.ready_at is None:
         w = replace(w, ready_at=now)
-    if w.tokens_changed_at is None:
-        w = replace(w, tokens_changed_at=now)
-    w = _advance_tokens(snap, w, now)
+    if w.progress_at is None:
+        w = replace(w, progress_at=now)
+    w = _advance_progress(snap, w, now)
     w = _track_preemptions(snap, w, now)
     w = _track_memory(snap, w, cfg, now)
     health = snap.health
@@ -129,15 +139,15 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
 
     eng = snap.engine
     # Frozen engine, passive: requests running but no token for S seconds.
-    if eng.error is None and (eng.running or 0) > 0 and now - w.tokens_changed_at >= wd.stall_seconds:
-        return w, Verdict(RestartReason.STALLED, f"{eng.running:.0f} running, no token generated for {now - w.tokens_changed_at:.0f} s", drain=False)
+    if eng.error is None and (eng.running or 0) > 0 and now - w.progress_at >= wd.stall_seconds:
+        return w, Verdict(RestartReason.STALLED, f"{eng.running:.0f} running, no progress (tokens or KV blocks) for {now - w.progress_at:.0f} s", drain=False)
 
     # Frozen engine, active: the probe's consecutive failures.
     inf = snap.inference
     if inf.finished_at is not None and inf.finished_at != w.probe_seen_finished_at:
         w = replace(w, probe_seen_finished_at=inf.finished_at)
         if inf.ok:
-            w = replace(w, probe_due_at=max(inf.finished_at, w.tokens_changed_at) + wd.probe_idle_seconds)
+            w = replace(w, probe_due_at=max(inf.finished_at, w.progress_at) + wd.probe_idle_seconds)
         else:
             w = replace(w, probe_due_at=inf.finished_at)  # retry at once
         if not inf.ok and inf.consecutive_failures >= wd.probe_failures:
@@ -146,7 +156,7 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
     # KV cache: low free blocks for K consecutive polls.
     if eng.free_blocks is not None and eng.free_blocks < wd.min_free_blocks:
         if w.kv_low_polls == 0:
-            w = replace(w, kv_low_tokens_at_start=eng.generation_tokens_total, kv_low_since=now)
+            w = replace(w, kv_low_since=now)
         w = replace(w, kv_low_polls=w.kv_low_polls + 1)
         if w.kv_low_polls >= wd.kv_low_polls:
             leak = _kv_leak(snap, w)
@@ -156,26 +166,26 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
                 return w, Verdict(RestartReason.KV, f"{eng.free_blocks:.0f} free blocks < {wd.min_free_blocks} for {w.kv_low_polls} polls ({kind})", drain=True)
             w = replace(w, kv_load=not leak)
     elif eng.free_blocks is not None:
-        w = replace(w, kv_low_polls=0, kv_low_tokens_at_start=None, kv_low_since=None, kv_load=False)
+        w = replace(w, kv_low_polls=0, kv_low_since=None, kv_load=False)
     return w, None
 
 
 def _kv_leak(snap: Snapshot, w: WatchState) -> bool:
-    """Leak: blocks held with nothing running, or no progress over the low window."""
+    """Leak: blocks held with nothing running, or no progress since the shortage began."""
     eng = snap.engine
     idle = (eng.kv_usage or 0) > 0 and (eng.running or 0) == 0 and (eng.waiting or 0) == 0
-    no_progress = w.kv_low_tokens_at_start is not None and eng.generation_tokens_total == w.kv_low_tokens_at_start
+    no_progress = w.kv_low_since is not None and w.progress_at is not None and w.progress_at <= w.kv_low_since
     return idle or no_progress
 
 
 def probe_due(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> bool:
-    """Send the active completion probe when no token came for P seconds and none is in flight."""
+    """Send the active completion probe when nothing progressed for P seconds and none is in flight."""
     inf = snap.inference
     in_flight = inf.sent_at is not None and (inf.finished_at is None or inf.finished_at < inf.sent_at)
-    if in_flight or w.tokens_changed_at is None:
+    if in_flight or w.progress_at is None:
         return False
-    due = w.probe_due_at if w.probe_due_at is not None else w.tokens_changed_at + cfg.watchdog.probe_idle_seconds
-    due = max(due, w.tokens_changed_at + cfg.watchdog.probe_idle_seconds) if inf.ok is not False else due
+    due = w.probe_due_at if w.probe_due_at is not None else w.progress_at + cfg.watchdog.probe_idle_seconds
+    due = max(due, w.progress_at + cfg.watchdog.probe_idle_seconds) if inf.ok is not False else due
     return now >= due
 
 

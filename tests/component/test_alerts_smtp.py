@@ -32,7 +32,7 @@ from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import AuthResult, LoginPassword
 
 from r3090d import exitcodes
-from r3090d.config import AlertsConfig, ConfigError, EmailConfig, SyslogConfig
+from r3090d.config import AlertsConfig, Config, ConfigError, EmailConfig, GpuConfig, SyslogConfig
 from r3090d.effectors import alerts
 from r3090d.effectors.alerts import AlertContext, AlertDispatcher
 from r3090d.model import SendAlert
@@ -213,6 +213,45 @@ def test_alert_arrives_with_subject_body_and_every_recipient():
     assert "GPU:      0 (NVIDIA GeForce RTX 3090)" in body
     assert "(2027-01-15 08:00:00 UTC)" in body
     assert got.login is None and not got.tls
+
+
+UUID = "GPU-5f2e1c7a-0b3d-4e8f-9a61-2c7d3e4f5a6b"
+
+
+def test_subject_and_body_name_the_gpu_once_the_daemon_has_read_it():
+    host = socket.gethostname()
+    with smtp_server() as (server, recorder):
+        cfg = Config(gpu=GpuConfig(required=True, index=1), alerts=email_config(server.port))
+        with AlertDispatcher.from_config(cfg, environ={}) as dispatcher:
+            dispatcher.submit(SendAlert("nvml_hung", "warning", "firing", "an NVML call has been stuck for 31 s"))
+            dispatcher.set_gpu("NVIDIA GeForce RTX 3090", 1, UUID)
+            dispatcher.submit(ALERT)
+            assert dispatcher.flush(10)
+        before, after = recorder.wait_for(2, 5)
+    # Before the first usable sample only the configured index is known.
+    assert before.message["Subject"] == f"[r3090d] {host} gpu1 nvml_hung FIRING (warning): an NVML call has been stuck for 31 s"
+    assert "GPU:      1\n" in before.message.get_content()
+    assert after.message["Subject"] == (
+        f"[r3090d] {host} gpu1 gpu_memory FIRING (warning): GPU memory 23.6 GiB above 23.0 GiB"
+        f" [NVIDIA GeForce RTX 3090, {UUID}]"
+    )
+    body = after.message.get_content()
+    assert "GPU:      1 (NVIDIA GeForce RTX 3090)\n" in body
+    assert f"GPU UUID: {UUID}\n" in body
+
+
+def test_without_a_gpu_the_mail_says_so_and_nothing_odd():
+    host = socket.gethostname()
+    with smtp_server() as (server, recorder):
+        cfg = Config(gpu=GpuConfig(required=False), alerts=email_config(server.port))
+        with AlertDispatcher.from_config(cfg, environ={}) as dispatcher:
+            dispatcher.submit(SendAlert("engine_dead", "critical", "firing", "vLLM exited with code 1"))
+            assert dispatcher.flush(10)
+        (got,) = recorder.wait_for(1, 5)
+    assert got.message["Subject"] == f"[r3090d] {host} nogpu engine_dead FIRING (critical): vLLM exited with code 1"
+    body = got.message.get_content()
+    assert "GPU:      none configured\n" in body
+    assert "None" not in body and "UUID" not in body and "()" not in body
 
 
 def test_login_with_password_from_file(password_file):

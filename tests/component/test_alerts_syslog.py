@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from r3090d.config import AlertsConfig, EmailConfig, SyslogConfig
-from r3090d.effectors.alerts import AlertContext, AlertDispatcher
+from r3090d.config import AlertsConfig, Config, EmailConfig, GpuConfig, SyslogConfig
+from r3090d.effectors.alerts import MAX_SYSLOG_TEXT, AlertContext, AlertDispatcher
 from r3090d.model import SendAlert
 from tests.daemon_harness import bind_unix_dgram
 
@@ -150,3 +150,54 @@ def test_submit_returns_at_once_even_with_the_socket_absent(sockdir):
             dispatcher.submit(SendAlert(f"k{i}", "warning", "firing", "x"))
         per_call = (time.perf_counter() - started) / 50
     assert per_call < 0.01
+
+
+# ------------------------------------------------------------ the GPU's name
+
+UUID = "GPU-5f2e1c7a-0b3d-4e8f-9a61-2c7d3e4f5a6b"
+
+
+def test_lines_name_the_gpu_once_the_daemon_has_read_it(sockdir):
+    path = sockdir / "syslog.sock"
+    receiver = bind_unix_dgram(path)
+    cfg = Config(gpu=GpuConfig(required=True, index=1), alerts=syslog_only(str(path)))
+    with AlertDispatcher.from_config(cfg) as dispatcher:
+        # Before the first usable sample only the configured index is known.
+        dispatcher.submit(SendAlert("nvml_hung", "warning", "firing", "an NVML call has been stuck for 31 s"))
+        assert dispatcher.flush(5)
+        dispatcher.set_gpu("NVIDIA GeForce RTX 3090", 1, UUID)
+        dispatcher.submit(SendAlert("gpu_memory", "warning", "firing", "GPU memory used 23600 MiB"))
+        dispatcher.submit(SendAlert("gpu_memory", "warning", "resolved", "GPU memory used 20100 MiB"))
+        assert dispatcher.flush(5)
+    before, firing, resolved = (parse(d)[4] for d in receive(receiver, 3))
+    assert before == "gpu1 nvml_hung FIRING (warning): an NVML call has been stuck for 31 s"
+    assert firing == f"gpu1 gpu_memory FIRING (warning): GPU memory used 23600 MiB [NVIDIA GeForce RTX 3090, {UUID}]"
+    assert resolved.startswith("gpu1 gpu_memory RESOLVED (warning): GPU memory used 20100 MiB")
+    assert "NVIDIA GeForce RTX 3090" in resolved and UUID in resolved
+    receiver.close()
+
+
+def test_the_gpu_survives_a_summary_at_the_length_limit(sockdir):
+    path = sockdir / "syslog.sock"
+    receiver = bind_unix_dgram(path)
+    with AlertDispatcher(syslog_only(str(path)), AlertContext(hostname="box", gpu_index=0)) as dispatcher:
+        dispatcher.set_gpu("NVIDIA GeForce RTX 3090", 0, UUID)
+        dispatcher.submit(SendAlert("k", "warning", "firing", "y" * 5000))
+        assert dispatcher.flush(5)
+    (datagram,) = receive(receiver, 1)
+    text = parse(datagram)[4]
+    assert len(text) <= MAX_SYSLOG_TEXT
+    assert text.startswith("gpu0 k FIRING (warning): yyy") and text.endswith(f"… [NVIDIA GeForce RTX 3090, {UUID}]")
+    receiver.close()
+
+
+def test_without_a_gpu_the_line_says_nogpu_and_nothing_more(sockdir):
+    path = sockdir / "syslog.sock"
+    receiver = bind_unix_dgram(path)
+    cfg = Config(gpu=GpuConfig(required=False), alerts=syslog_only(str(path)))
+    with AlertDispatcher.from_config(cfg) as dispatcher:
+        dispatcher.submit(SendAlert("engine_dead", "critical", "firing", "vLLM exited with code 1"))
+        assert dispatcher.flush(5)
+    (datagram,) = receive(receiver, 1)
+    assert parse(datagram)[4] == "nogpu engine_dead FIRING (critical): vLLM exited with code 1"
+    receiver.close()

@@ -383,6 +383,34 @@ def test_passive_stall_restarts_after_s_seconds_flat_tokens():
     assert i == 60
 
 
+def test_a_long_prefill_that_moves_only_kv_blocks_is_progress_not_a_stall():
+    """vLLM counts prompt tokens when a prefill ends; its chunks allocate KV blocks as they go."""
+    c = cfg(stall_seconds=10.0, probe_idle_seconds=1000.0)
+    prefill = [snap(0, engine=metrics(900 - i, 0.1 + i / 1000, running=1, tokens=500.0)) for i in range(40)]
+    i, _, st = run_ready(c, prefill)
+    assert i is None and st.phase is Phase.READY
+    # Prompt tokens moving alone are progress too.
+    prompt = [snap(0, engine=dataclasses.replace(metrics(900, 0.1, running=1, tokens=500.0), prompt_tokens_total=100.0 + i)) for i in range(40)]
+    i, _, st = run_ready(c, prompt)
+    assert i is None
+    # Nothing moving at all: a stall at stall_seconds.
+    flat = [snap(0, engine=metrics(900, 0.1, running=1, tokens=500.0))] * 40
+    i, _, st = run_ready(c, flat)
+    assert i == 10 and st.restart_reason == "stalled"
+
+
+def test_kv_no_progress_arm_counts_block_movement_as_progress():
+    c = cfg(min_free_blocks=100, kv_low_polls=5, kv_cooldown=0.0, lb_grace=0.0, stall_seconds=1000.0)
+    # Short of blocks, tokens flat, but blocks allocated and freed (a recompute): load, not a leak.
+    moving = [snap(0, engine=metrics(50 - i % 3, 0.95 + (i % 3) / 1000, running=1, waiting=1, tokens=1000.0)) for i in range(12)]
+    i, _, st = run_ready(c, moving)
+    assert i is None and st.watch.kv_load
+    # Short of blocks, nothing moving: a leak.
+    frozen = [snap(0, engine=metrics(50, 0.95, running=1, waiting=1, tokens=1000.0))] * 12
+    i, _, st = run_ready(c, frozen)
+    assert i == 4 and st.restart_reason == "kv"
+
+
 def test_active_probe_sent_when_idle_and_two_failures_restart():
     c = cfg(probe_idle_seconds=60.0, probe_failures=2, stall_seconds=1000.0)
     st = ready_state(c)
