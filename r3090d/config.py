@@ -145,6 +145,15 @@ class WatchdogConfig:
     growth_horizon: float = opt(86400.0, 60, 365 * 86400)
     # /metrics or NVML failing this many polls in a row: status WARNING and watchdog_blind
     blind_polls: int = opt(5, 1, 100000)
+    # The GPU's own view (used only when the engine is the GPU's sole user):
+    # requests running while the GPU reads 0% busy for this long is a freeze.
+    gpu_idle_stall_seconds: float = opt(5.0, 0.5, 3600)
+    # GPU busy counts as progress for at most this long without a token or a KV block moving
+    # (a hung collective or a runaway kernel reads 100%).
+    gpu_busy_cap_seconds: float = opt(30.0, 1, 86400)
+    # Memory used on the card beyond the engine's own processes' share, above which
+    # another user is assumed (another container's process is invisible by pid).
+    gpu_foreign_margin_mib: int = opt(512, 0, 1 << 20)
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,19 @@ loop (Daemon.submit_control) and its reply awaited with a timeout, so all
 changes of state still happen in the loop's one thread.
 
 Access is the socket file's: mode 0660, group = the daemon's own group, in a
-directory systemd's RuntimeDirectory= makes. Requests that change anything are
+directory systemd's RuntimeDirectory= makes. Neither the server nor the client
+uses a directory that others could write to (r3090d.safedir): whoever can
+replace the socket can answer for the daemon. Requests that change anything are
 logged with the peer's uid and pid (SO_PEERCRED).
 
 The server is one thread around a selector, with non-blocking sockets: an idle
-client, a slow reader or a flood of garbage costs a slot and a buffer, never a
-thread, and every connection has a deadline. Nothing a client sends can raise
-out of the server thread.
+client, a slow reader or a flood of garbage costs a buffer, never a thread, and
+every connection has a deadline: a request must arrive whole within
+IDLE_TIMEOUT_S, however its bytes trickle in. At MAX_CONNECTIONS a new client
+displaces a connection that is not being served (idle, mid-request, or not
+reading its replies); it is refused as busy only when the loop is answering a
+command for every open connection. Nothing a client sends can raise out of the
+server thread.
 """
 
 from __future__ import annotations
@@ -36,9 +42,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from r3090d import safedir
+
 log = logging.getLogger("r3090d.control")
 
 SOCKET_NAME = "control.sock"
+RUNTIME_DIR_KEY = "daemon.runtime_dir"
 SOCKET_MODE = 0o660
 MAX_REQUEST_BYTES = 64 * 1024  # a request line longer than this is refused and the connection closed
 MAX_REPLY_BYTES = 16 * 1024 * 1024  # what the client accepts
@@ -122,6 +131,18 @@ class _Conn:
     pending_cmd: str = ""
     closing: bool = False  # close once outbuf is written
 
+    def displace_rank(self) -> int | None:
+        """Which connection makes room for a new client first (lowest), or None: it is being served."""
+        if self.pending is not None:
+            return None  # the loop is answering a command for it
+        if self.closing:
+            return 0  # done, its last reply on the way out
+        if not self.inbuf and not self.outbuf:
+            return 1  # idle
+        if not self.outbuf:
+            return 2  # part of a request
+        return 3  # not reading its replies
+
 
 class ControlServer:
     """Serves the control socket from one thread; `start()` raises ControlError, nothing after it raises."""
@@ -142,7 +163,7 @@ class ControlServer:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._inode: tuple[int, int] | None = None
-        self.counters = {"connections": 0, "requests": 0, "errors": 0, "refused_busy": 0}
+        self.counters = {"connections": 0, "requests": 0, "errors": 0, "refused_busy": 0, "displaced": 0}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -153,9 +174,9 @@ class ControlServer:
             if len(os.fsencode(p)) > UNIX_PATH_MAX:
                 raise ControlError(f"{p}: path longer than {UNIX_PATH_MAX} bytes, too long for a unix socket (use a shorter daemon.runtime_dir)")
         try:
-            path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ControlError(f"cannot create {path.parent}: {exc.strerror}") from None
+            safedir.ensure(path.parent, RUNTIME_DIR_KEY)
+        except safedir.UnsafeDirectory as exc:
+            raise ControlError(str(exc)) from None
         self._clear_stale(path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -285,10 +306,10 @@ class ControlServer:
                 return
             sock.setblocking(False)
             self.counters["connections"] += 1
-            if len(self._conns) >= MAX_CONNECTIONS:
+            if len(self._conns) >= MAX_CONNECTIONS and not self._displace():
                 self.counters["refused_busy"] += 1
                 try:
-                    sock.send(encode(error(f"busy: {MAX_CONNECTIONS} connections open, try again")))
+                    sock.send(encode(error(f"busy: the daemon is answering {MAX_CONNECTIONS} requests, try again")))
                 except OSError:
                     pass
                 sock.close()
@@ -297,6 +318,24 @@ class ControlServer:
             conn = _Conn(sock=sock, cid=self._next_id, peer=_peer(sock), deadline=time.monotonic() + IDLE_TIMEOUT_S)
             self._conns[conn.cid] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn.cid)
+            # A client usually sends its request with the connect: read it now, before
+            # a crowd of later connections could displace this one unread.
+            self._read(conn)
+
+    def _displace(self) -> bool:
+        """Close the connection that is least in use, to make room; False if every one is being served."""
+        ranked = [(rank, n, c) for n, c in enumerate(self._conns.values()) if (rank := c.displace_rank()) is not None]
+        if not ranked:
+            return False
+        _, _, victim = min(ranked, key=lambda r: r[:2])  # lowest rank; the oldest (accepted first) among equals
+        self.counters["displaced"] += 1
+        if not victim.closing and not victim.outbuf:
+            try:  # a word of why, if the client reads it; never wait for it
+                victim.sock.send(encode(error(f"idle connection closed to make room for another client ({MAX_CONNECTIONS} open)")))
+            except OSError:
+                pass
+        self._close(victim)
+        return True
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -489,9 +528,17 @@ class ControlTimeout(ClientError):
     pass
 
 
+class UnsafeRuntimeDir(ClientError):
+    """Others could have replaced the socket: what answers there is not to be believed."""
+
+
 def request(runtime_dir: str | Path, payload: dict, timeout: float = 15.0) -> dict:
     """Send one request, return the daemon's reply (a dict). Raises ClientError."""
     path = socket_path(runtime_dir)
+    try:
+        safedir.check(path.parent, RUNTIME_DIR_KEY, owners=None)
+    except safedir.UnsafeDirectory as exc:
+        raise UnsafeRuntimeDir(str(exc)) from None
     deadline = time.monotonic() + timeout
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

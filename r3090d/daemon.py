@@ -58,6 +58,7 @@ from r3090d.state import (
 log = logging.getLogger("r3090d")
 
 LOADING_LOG_EVERY_S = 10.0
+STARTING_POLL_S = 0.1
 
 
 def setup_logging() -> None:
@@ -417,8 +418,13 @@ class Daemon:
             self.gpu_monitor.close()
 
     def tick_interval(self) -> float:
-        """The poll interval, shortened if systemd's watchdog wants pings more often."""
+        """The poll interval, shortened if systemd's watchdog wants pings more often.
+
+        While the engine starts, /health is polled every STARTING_POLL_S: a refused
+        connection costs nothing, and READY=1 then follows /health 200 at once."""
         interval = self.cfg.watchdog.poll_interval
+        if self.st.phase is Phase.STARTING:
+            interval = min(interval, STARTING_POLL_S)
         if self.notifier.watchdog_interval_s:
             interval = min(interval, self.notifier.watchdog_interval_s / 2)
         return interval
@@ -520,6 +526,7 @@ class Daemon:
                 "recent": len(st.restart_times),
             },
             "next_action": self.next_action(st, snap),
+            "watch": {"gpu_signal_off": st.watch.gpu_signal_off if self.cfg.gpu.required else None},
             "give_up_reason": st.give_up_reason,
             "xid_seen": list(st.xid_seen),
             "health": plain(snap.health),

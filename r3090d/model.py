@@ -67,7 +67,8 @@ class GpuSample:
     pcie_gen: int | None = None
     pcie_gen_max: int | None = None
     persistence_mode: bool | None = None
-    processes: tuple[GpuProcess, ...] | None = None
+    processes: tuple[GpuProcess, ...] | None = None  # compute processes
+    graphics_processes: tuple[GpuProcess, ...] | None = None  # a desktop's Xorg, a game
     xid_errors: tuple[int, ...] = ()  # XID codes seen since the previous sample
     xid_monitored: bool = False  # XID event registration succeeded (NotSupported on some boards)
     field_errors: tuple[str, ...] = ()  # "call: error" for reads that failed other than NotSupported
@@ -238,6 +239,7 @@ class RestartReason(enum.StrEnum):
     HUNG = "hung"  # /health timing out for hang_timeout
     STALLED = "stalled"  # requests running and no progress, or the inference probe failing
     KV = "kv"  # the KV cache ran out and did not recover
+    GPU_IDLE = "gpu_idle"  # requests running, and the GPU (its sole user the engine) idle
     REQUESTED = "requested"  # r3090ctl restart, or a reload that changed the engine's settings
 
 

@@ -30,6 +30,9 @@ class WatchState:
     probe_seen_finished_at: float | None = None
     probe_due_at: float | None = None
     memory_points: tuple[tuple[float, int], ...] = ()  # (time, used bytes), downsampled
+    gpu_busy: bool = False  # the GPU's own view at the last poll: the engine is computing
+    gpu_idle_since: float | None = None  # requests running and the GPU idle, since
+    gpu_signal_off: str = ""  # why the GPU's view is not used (empty: it is)
     xid_seen: tuple[int, ...] = ()  # latched: a reboot is needed
 
 
@@ -89,6 +92,38 @@ class Condition:
     immediate: bool = False  # a state, not a noisy reading: fire on the first active poll
 
 
+@dataclass(frozen=True)
+class GpuActivity:
+    """The GPU's own view of whether the engine computes: busy is None when it cannot be trusted (see why_not)."""
+
+    busy: bool | None
+    why_not: str = ""
+
+
+def gpu_activity(snap: Snapshot, cfg: Config) -> GpuActivity:
+    """NVML utilization is the share of the last sample period (1/6 s to 1 s) in which
+    any kernel ran, from any process. It says something about the engine only when
+    the engine's process tree is the GPU's sole user and the sample is fresh."""
+    g = snap.gpu
+    if not cfg.gpu.required:
+        return GpuActivity(None, "gpu.required is false")
+    if not g.usable or g.utilization_gpu is None:
+        return GpuActivity(None, "NVML gives no utilization reading")
+    if g.age_s is None or g.age_s > 2 * cfg.watchdog.poll_interval:
+        return GpuActivity(None, f"the NVML sample is {g.age_s or 0:.1f} s old")
+    if g.processes is None or g.graphics_processes is None or g.memory_used is None:
+        return GpuActivity(None, "NVML does not list the GPU's processes")
+    engine = set(snap.child.tree_pids)
+    foreign = sorted({p.pid for p in g.processes + g.graphics_processes} - engine)
+    if foreign:
+        return GpuActivity(None, f"another process uses the GPU (pid {', '.join(map(str, foreign[:3]))})")
+    share = sum(p.used_bytes or 0 for p in g.processes if p.pid in engine)
+    other = g.memory_used - share
+    if other > cfg.watchdog.gpu_foreign_margin_mib * MIB:
+        return GpuActivity(None, f"{other / MIB:.0f} MiB of GPU memory is used beyond the engine's processes (another container?)")
+    return GpuActivity(g.utilization_gpu > 0)
+
+
 def progress_mark(snap: Snapshot) -> tuple[float | None, float | None, float | None] | None:
     """What moves while the engine works. vLLM counts prompt tokens only when a
     prefill finishes, so a long chunked prefill moves neither token counter; it
@@ -138,9 +173,24 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
         w = replace(w, timeout_since=None)
 
     eng = snap.engine
-    # Frozen engine, passive: requests running but no token for S seconds.
-    if eng.error is None and (eng.running or 0) > 0 and now - w.progress_at >= wd.stall_seconds:
-        return w, Verdict(RestartReason.STALLED, f"{eng.running:.0f} running, no progress (tokens or KV blocks) for {now - w.progress_at:.0f} s", drain=False)
+    running = eng.error is None and (eng.running or 0) > 0
+    # Frozen engine, seen by the GPU: requests running while the GPU computes nothing.
+    act = gpu_activity(snap, cfg)
+    w = replace(w, gpu_busy=bool(act.busy), gpu_signal_off=act.why_not)
+    if running and act.busy is False:
+        since = w.gpu_idle_since if w.gpu_idle_since is not None else now
+        w = replace(w, gpu_idle_since=since)
+        if now - since >= wd.gpu_idle_stall_seconds:
+            return w, Verdict(RestartReason.GPU_IDLE, f"{eng.running:.0f} running and the GPU idle (0% busy) for {now - since:.1f} s", drain=False)
+    else:
+        w = replace(w, gpu_idle_since=None)
+
+    # Frozen engine, passive: requests running and nothing moving for S seconds. A busy
+    # GPU is progress too (a long prefill moves no counter) but only up to the busy cap.
+    quiet = now - w.progress_at
+    if running and quiet >= wd.stall_seconds and not _gpu_working(w, wd, quiet):
+        busy = " while the GPU read busy (over the busy cap)" if w.gpu_busy else ""
+        return w, Verdict(RestartReason.STALLED, f"{eng.running:.0f} running, no progress (tokens or KV blocks) for {quiet:.0f} s{busy}", drain=False)
 
     # Frozen engine, active: the probe's consecutive failures.
     inf = snap.inference
@@ -170,6 +220,10 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
     return w, None
 
 
+def _gpu_working(w: WatchState, wd, quiet: float) -> bool:
+    return w.gpu_busy and quiet < wd.gpu_busy_cap_seconds
+
+
 def _kv_leak(snap: Snapshot, w: WatchState) -> bool:
     """Leak: blocks held with nothing running, or no progress since the shortage began."""
     eng = snap.engine
@@ -184,6 +238,8 @@ def probe_due(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> bool:
     in_flight = inf.sent_at is not None and (inf.finished_at is None or inf.finished_at < inf.sent_at)
     if in_flight or w.progress_at is None:
         return False
+    if _gpu_working(w, cfg.watchdog, now - w.progress_at):
+        return False  # the GPU says the engine computes: a probe would only queue behind it
     due = w.probe_due_at if w.probe_due_at is not None else w.progress_at + cfg.watchdog.probe_idle_seconds
     due = max(due, w.progress_at + cfg.watchdog.probe_idle_seconds) if inf.ok is not False else due
     return now >= due

@@ -130,6 +130,9 @@ def panel(doc: dict, verdict: Verdict, now: float, *, note: str | None = None) -
     lines.append(f"Model      {engine.get('model') or '-'} at {engine.get('url') or '-'}")
     if doc.get("next_action"):
         lines.append(f"Next       {doc['next_action']}")
+    off = (doc.get("watch") or {}).get("gpu_signal_off")
+    if off and phase == "ready":
+        lines.append(f"GPU view   not used: {off}; freezes are found by the counters and the probe")
     if doc.get("give_up_reason"):
         lines.append(f"Gave up    {doc['give_up_reason']}")
     elif (doc.get("restarts") or {}).get("last_root_cause"):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import datetime as dt
+import email.policy
 import ipaddress
 import logging
 import logging.handlers
@@ -66,6 +67,11 @@ STATES = ("firing", "reminder", "resolved")
 _SYSLOG_PRIORITY = {"critical": "crit", "warning": "warning", "info": "info"}
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]+")
 _IDENT_RE = re.compile(r"[A-Za-z0-9._-]{1,48}")
+# RFC 5322's hard line limit, not the 78 it recommends: Python's folder moves a
+# header value that would fit on a line of its own to the next line, and the
+# unfolded subject then starts with a space, which breaks "^Subject: [r3090d]"
+# filters. Subjects here are one bounded line, far below 998.
+_MAIL_POLICY = email.policy.default.clone(max_line_length=998)
 
 
 # ------------------------------------------------------------------ the alert
@@ -73,27 +79,68 @@ _IDENT_RE = re.compile(r"[A-Za-z0-9._-]{1,48}")
 
 @dataclass(frozen=True)
 class AlertContext:
-    """Where the alert comes from: printed in every subject, body and syslog line."""
+    """Where the alert comes from: printed in every subject, body and syslog line.
+
+    The configured GPU index is known at start; the name and UUID only once NVML
+    has answered (AlertDispatcher.set_gpu), so alerts raised before then carry
+    the index alone.
+    """
 
     hostname: str
-    gpu_index: int | None = None
+    gpu_index: int | None = None  # None: gpu.required = false, no GPU is watched
     gpu_name: str | None = None  # from NVML once known; None before the first sample
     instance: int | None = None  # N of r3090d@N; None for the plain unit
+    gpu_uuid: str | None = None  # from NVML once known, e.g. "GPU-5f2e1c7a-..."
 
     @classmethod
     def from_config(
-        cls, cfg: Config, *, gpu_name: str | None = None, hostname: str | None = None
+        cls,
+        cfg: Config,
+        *,
+        gpu_name: str | None = None,
+        gpu_uuid: str | None = None,
+        hostname: str | None = None,
     ) -> AlertContext:
         return cls(
             hostname=hostname or socket.gethostname(),
             gpu_index=cfg.gpu.index if cfg.gpu.required else None,
             gpu_name=gpu_name,
             instance=cfg.instance,
+            gpu_uuid=gpu_uuid,
+        )
+
+    def with_gpu(self, name: str | None, index: int | None, uuid: str | None) -> AlertContext:
+        """This context for the GPU NVML reported; what a sample lacks (a failed read) stays as known."""
+        return dataclasses.replace(
+            self,
+            gpu_index=self.gpu_index if index is None else index,
+            gpu_name=one_line(name) if name else self.gpu_name,
+            gpu_uuid=one_line(uuid) if uuid else self.gpu_uuid,
         )
 
     @property
     def gpu_label(self) -> str:
         return f"gpu{self.gpu_index}" if self.gpu_index is not None else "nogpu"
+
+    @property
+    def gpu_identity(self) -> str:
+        """'[name, uuid]' (either part when only one is known), or '' when neither is or no GPU is watched."""
+        if self.gpu_index is None:
+            return ""
+        known = [one_line(part) for part in (self.gpu_name, self.gpu_uuid) if part]
+        return f"[{', '.join(known)}]" if known else ""
+
+    @property
+    def labels(self) -> tuple[tuple[str, str], ...]:
+        """The origin as name/value pairs, only those known: for channels that carry labels."""
+        pairs = [
+            ("host", self.hostname),
+            ("instance", None if self.instance is None else str(self.instance)),
+            ("gpu_index", None if self.gpu_index is None else str(self.gpu_index)),
+            ("gpu_name", self.gpu_name),
+            ("gpu_uuid", self.gpu_uuid),
+        ]
+        return tuple((name, value) for name, value in pairs if value)
 
 
 @dataclass(frozen=True)
@@ -124,10 +171,19 @@ def syslog_severity(alert: SendAlert) -> int:
 
 
 def syslog_message(raised: RaisedAlert) -> str:
-    """The text after `ident[pid]: `: one line, GPU, key, state, severity, summary."""
-    a = raised.alert
-    text = one_line(f"{raised.context.gpu_label} {a.key} {a.state.upper()} ({a.severity}): {a.summary}")
-    return text[:MAX_SYSLOG_TEXT]
+    """The text after `ident[pid]: `: one line, GPU, key, state, severity, summary, GPU name and UUID.
+
+    The name and UUID come last, so a filter on the leading words keeps working,
+    and survive a summary cut at the length limit.
+    """
+    a, c = raised.alert, raised.context
+    head = one_line(f"{c.gpu_label} {a.key} {a.state.upper()} ({a.severity}):")
+    tail = f" {c.gpu_identity}" if c.gpu_identity else ""
+    room = MAX_SYSLOG_TEXT - len(head) - len(tail) - 1
+    summary = one_line(a.summary)
+    if len(summary) > room:
+        summary = summary[: max(0, room - 1)] + "…"
+    return (f"{head} {summary}".rstrip() + tail)[:MAX_SYSLOG_TEXT]
 
 
 def email_subject(raised: RaisedAlert) -> str:
@@ -138,7 +194,10 @@ def email_subject(raised: RaisedAlert) -> str:
     subject = (
         f"[r3090d] {one_line(c.hostname)} {c.gpu_label} {one_line(a.key)} {a.state.upper()} ({a.severity})"
     )
-    return f"{subject}: {summary}" if summary else subject
+    if summary:
+        subject = f"{subject}: {summary}"
+    # The GPU's name and UUID last: what and how bad stay at the front of a mail list.
+    return f"{subject} {c.gpu_identity}" if c.gpu_identity else subject
 
 
 def _format_time(wall: float) -> str:
@@ -159,6 +218,8 @@ def email_body(raised: RaisedAlert) -> str:
         f"Host:     {c.hostname}",
         f"GPU:      {gpu}",
     ]
+    if c.gpu_index is not None and c.gpu_uuid:
+        lines.append(f"GPU UUID: {c.gpu_uuid}")
     if c.instance is not None:
         lines.append(f"Unit:     r3090d@{c.instance}")
     lines += [
@@ -418,7 +479,7 @@ class EmailChannel:
         return f"EmailChannel({self.target})"
 
     def prepare(self, raised: RaisedAlert) -> EmailMessage:
-        msg = EmailMessage()
+        msg = EmailMessage(policy=_MAIL_POLICY)
         msg["Subject"] = email_subject(raised)
         msg["From"] = self.sender
         msg["To"] = ", ".join(self.recipients)
@@ -697,7 +758,7 @@ class AlertDispatcher:
     Daemon use:
         dispatcher = AlertDispatcher.from_config(cfg)      # ConfigError -> exit 78
         dispatcher.submit(action)                          # for each SendAlert; returns at once
-        dispatcher.set_context(...)                        # once NVML has named the GPU
+        dispatcher.set_gpu(sample.name, sample.index, sample.uuid)  # on a usable GPU sample
         dispatcher.flush(timeout=30)                       # before exiting, so the last alert goes out
         dispatcher.close()
     """
@@ -738,8 +799,21 @@ class AlertDispatcher:
     def context(self) -> AlertContext:
         return self._context
 
-    def set_context(self, context: AlertContext) -> None:
-        self._context = context
+    def set_gpu(self, name: str | None, index: int | None, uuid: str | None) -> bool:
+        """Name the GPU in every alert raised from now on; True if that changed anything.
+
+        Cheap and idempotent: the daemon may call it with every usable sample, so a
+        card that comes back under another name or UUID is named right.
+        """
+        with self._lock:
+            context = self._context.with_gpu(name, index, uuid)
+            if context == self._context:
+                return False
+            self._context = context  # submit() reads the reference once per alert
+        log.info(
+            "alerts name the GPU: %s %s", context.gpu_label, context.gpu_identity or "(no name or UUID known)"
+        )
+        return True
 
     def submit(self, alert: SendAlert) -> None:
         """Queue the alert on every channel and return at once. Never raises for delivery problems."""

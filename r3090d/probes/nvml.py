@@ -239,6 +239,9 @@ class _NvmlSession:
         procs = self._first(
             ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2", "nvmlDeviceGetComputeRunningProcesses"), h
         )
+        graphics = self._first(
+            ("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2", "nvmlDeviceGetGraphicsRunningProcesses"), h
+        )
         values = dict(
             memory_total=total,
             memory_used=used,
@@ -257,7 +260,8 @@ class _NvmlSession:
             pcie_gen=_int(self._call("nvmlDeviceGetCurrPcieLinkGeneration", h)),
             pcie_gen_max=_int(self._call("nvmlDeviceGetMaxPcieLinkGeneration", h)),
             persistence_mode=bool(persistence) if persistence is not None else None,
-            processes=tuple(GpuProcess(int(p.pid), _int(getattr(p, "usedGpuMemory", None))) for p in procs) if procs is not None else None,
+            processes=_processes(procs),
+            graphics_processes=_processes(graphics),
         )
         self._drain_xids()
         detail = f"{len(self.errors)} NVML read(s) failed" if self.errors else ""
@@ -460,6 +464,14 @@ def sample_from_dict(data: dict) -> GpuSample:
     for key in ("compute_capability", "clock_event_reasons", "xid_errors", "field_errors"):
         if values.get(key) is not None:
             values[key] = tuple(values[key])
-    if values.get("processes") is not None:
-        values["processes"] = tuple(GpuProcess(int(p["pid"]), p.get("used_bytes")) for p in values["processes"])
+    for key in ("processes", "graphics_processes"):
+        if values.get(key) is not None:
+            values[key] = tuple(GpuProcess(int(p["pid"]), p.get("used_bytes")) for p in values[key])
     return GpuSample(**values)
+
+
+def _processes(procs) -> tuple[GpuProcess, ...] | None:
+    """NVML's process list as samples; None when the call is not supported."""
+    if procs is None:
+        return None
+    return tuple(GpuProcess(int(p.pid), _int(getattr(p, "usedGpuMemory", None))) for p in procs)

@@ -199,6 +199,7 @@ def test_alert_arrives_with_subject_body_and_every_recipient():
     assert (
         msg["Subject"]
         == "[r3090d] testhost gpu0 gpu_memory FIRING (warning): GPU memory 23.6 GiB above 23.0 GiB"
+        " [NVIDIA GeForce RTX 3090]"
     )
     assert got.mail_from == "r3090d@testhost.example.org"
     assert got.rcpt_tos == RECIPIENTS
@@ -230,14 +231,14 @@ def test_subject_and_body_name_the_gpu_once_the_daemon_has_read_it():
         before, after = recorder.wait_for(2, 5)
     # Before the first usable sample only the configured index is known.
     assert before.message["Subject"] == f"[r3090d] {host} gpu1 nvml_hung FIRING (warning): an NVML call has been stuck for 31 s"
-    assert "GPU:      1\n" in before.message.get_content()
+    assert "GPU:      1\r\n" in before.message.get_content()  # index alone: no "()", no "None"
     assert after.message["Subject"] == (
         f"[r3090d] {host} gpu1 gpu_memory FIRING (warning): GPU memory 23.6 GiB above 23.0 GiB"
         f" [NVIDIA GeForce RTX 3090, {UUID}]"
     )
     body = after.message.get_content()
-    assert "GPU:      1 (NVIDIA GeForce RTX 3090)\n" in body
-    assert f"GPU UUID: {UUID}\n" in body
+    assert "GPU:      1 (NVIDIA GeForce RTX 3090)\r\n" in body
+    assert f"GPU UUID: {UUID}\r\n" in body
 
 
 def test_without_a_gpu_the_mail_says_so_and_nothing_odd():
@@ -250,7 +251,7 @@ def test_without_a_gpu_the_mail_says_so_and_nothing_odd():
         (got,) = recorder.wait_for(1, 5)
     assert got.message["Subject"] == f"[r3090d] {host} nogpu engine_dead FIRING (critical): vLLM exited with code 1"
     body = got.message.get_content()
-    assert "GPU:      none configured\n" in body
+    assert "GPU:      none configured\r\n" in body
     assert "None" not in body and "UUID" not in body and "()" not in body
 
 
@@ -422,7 +423,7 @@ def test_starttls_upgrades_before_login(tls_files, password_file, monkeypatch):
     assert got.tls and got.login == USER
     assert (
         got.message["Subject"]
-        == "[r3090d] testhost gpu0 test FIRING (info): test alert from r3090ctl alerts test"
+        == "[r3090d] testhost gpu0 test FIRING (info): test alert from r3090ctl alerts test [NVIDIA GeForce RTX 3090]"
     )
 
 

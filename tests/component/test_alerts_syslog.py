@@ -17,7 +17,7 @@ from tests.daemon_harness import bind_unix_dgram
 
 pytestmark = pytest.mark.component
 
-CTX = AlertContext(hostname="box", gpu_index=0, gpu_name="NVIDIA GeForce RTX 3090")
+CTX = AlertContext(hostname="box", gpu_index=0)  # the name and UUID come later, by set_gpu (tested below)
 LINE = re.compile(rb"^<(\d{1,3})>([A-Za-z0-9._-]+)\[(\d+)\]: (.*)$", re.S)
 LOCAL3 = 19
 

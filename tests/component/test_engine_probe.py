@@ -117,6 +117,16 @@ class FakeEngine:
                 else:
                     route(self, outer.stop)
 
+            def do_POST(self):  # noqa: N802
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                outer.requests.append((self.path, dict(self.headers)))
+                route = outer.routes.get(self.path)
+                if route is None:
+                    send(self, 404, b"not found\n")
+                else:
+                    route(self, outer.stop)
+
             def log_message(self, *args):
                 pass
 

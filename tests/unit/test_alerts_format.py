@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+from email import message_from_bytes
+from email.policy import default as default_policy
 
 import pytest
 
@@ -14,6 +16,7 @@ from r3090d.model import SendAlert
 
 CTX = AlertContext(hostname="box", gpu_index=1, gpu_name="NVIDIA GeForce RTX 3090", instance=1)
 WALL = 1_800_000_000.0  # 2027-01-15 08:00:00 UTC
+UUID = "GPU-5f2e1c7a-0b3d-4e8f-9a61-2c7d3e4f5a6b"
 
 
 def raised(key="gpu_memory", severity="warning", state="firing", summary="used 23.6 GiB", detail="", ctx=CTX):
@@ -39,25 +42,64 @@ def test_syslog_severity_follows_rfc5424(severity, state, expected):
     assert alerts.syslog_severity(SendAlert("k", severity, state, "s")) == expected
 
 
-def test_subject_names_host_gpu_key_state_severity_and_summary():
-    assert alerts.email_subject(raised()) == "[r3090d] box gpu1 gpu_memory FIRING (warning): used 23.6 GiB"
+def test_subject_names_host_gpu_key_state_severity_summary_and_gpu_name():
+    assert (
+        alerts.email_subject(raised())
+        == "[r3090d] box gpu1 gpu_memory FIRING (warning): used 23.6 GiB [NVIDIA GeForce RTX 3090]"
+    )
     assert (
         alerts.email_subject(raised(state="resolved", summary=""))
-        == "[r3090d] box gpu1 gpu_memory RESOLVED (warning)"
+        == "[r3090d] box gpu1 gpu_memory RESOLVED (warning) [NVIDIA GeForce RTX 3090]"
     )
+    with_uuid = dataclasses.replace(CTX, gpu_uuid=UUID)
+    assert alerts.email_subject(raised(ctx=with_uuid)).endswith(f"used 23.6 GiB [NVIDIA GeForce RTX 3090, {UUID}]")
+    index_only = AlertContext(hostname="box", gpu_index=1)
+    assert alerts.email_subject(raised(ctx=index_only)) == "[r3090d] box gpu1 gpu_memory FIRING (warning): used 23.6 GiB"
 
 
 def test_subject_is_one_line_and_bounded_whatever_the_summary():
     subject = alerts.email_subject(raised(summary="line one\r\nline two\t" + "x" * 500, key="a\nb"))
     assert "\n" not in subject and "\r" not in subject and "\t" not in subject
     assert "a b FIRING" in subject
-    assert subject.endswith("…")
+    assert subject.endswith("… [NVIDIA GeForce RTX 3090]")
     assert len(subject) < 200
 
 
 def test_subject_without_gpu():
     ctx = AlertContext(hostname="box")
-    assert alerts.email_subject(raised(ctx=ctx)).startswith("[r3090d] box nogpu gpu_memory FIRING")
+    assert alerts.email_subject(raised(ctx=ctx)) == "[r3090d] box nogpu gpu_memory FIRING (warning): used 23.6 GiB"
+    # A name without a watched GPU (gpu.required = false) is not shown: "nogpu [name]" would contradict itself.
+    named = AlertContext(hostname="box", gpu_name="NVIDIA GeForce RTX 3090", gpu_uuid=UUID)
+    assert alerts.email_subject(raised(ctx=named)) == alerts.email_subject(raised(ctx=ctx))
+    assert alerts.syslog_message(raised(ctx=named)) == "nogpu gpu_memory FIRING (warning): used 23.6 GiB"
+    body = alerts.email_body(raised(ctx=named))
+    assert "GPU:      none configured\n" in body and "UUID" not in body
+
+
+def test_context_takes_the_gpu_nvml_reported():
+    ctx = AlertContext(hostname="box", gpu_index=0, instance=2)
+    named = ctx.with_gpu("NVIDIA GeForce\nRTX 3090", None, UUID)
+    assert (named.gpu_index, named.gpu_name, named.gpu_uuid) == (0, "NVIDIA GeForce RTX 3090", UUID)
+    assert ctx.with_gpu("NVIDIA GeForce RTX 3090", 3, None).gpu_index == 3
+    assert ctx.with_gpu("", 0, "").gpu_identity == ""
+    assert named.with_gpu(None, None, None) == named  # a sample whose name read failed forgets nothing
+    assert named.labels == (
+        ("host", "box"),
+        ("instance", "2"),
+        ("gpu_index", "0"),
+        ("gpu_name", "NVIDIA GeForce RTX 3090"),
+        ("gpu_uuid", UUID),
+    )
+    assert AlertContext(hostname="box").labels == (("host", "box"),)
+
+
+@pytest.mark.parametrize("length", range(0, 131, 3))
+def test_the_subject_reads_back_unchanged_whatever_its_length(length):
+    # A subject that fits on a line of its own but not after "Subject: " must not come back with a leading space.
+    channel = alerts.EmailChannel(email(), password=None, helo_name="box")
+    alert = raised(summary=("word " * 30)[:length].strip())
+    message = message_from_bytes(channel.prepare(alert).as_bytes(), policy=default_policy)
+    assert message["Subject"] == alerts.email_subject(alert)
 
 
 def test_body_has_summary_detail_host_gpu_unit_and_time():
@@ -67,6 +109,9 @@ def test_body_has_summary_detail_host_gpu_unit_and_time():
     assert "threshold 23500 MiB\nused 24170 MiB" in body
     assert "Host:     box" in body
     assert "GPU:      1 (NVIDIA GeForce RTX 3090)" in body
+    assert "UUID" not in body  # not known in CTX
+    with_uuid = alerts.email_body(raised(ctx=dataclasses.replace(CTX, gpu_uuid=UUID)))
+    assert f"GPU:      1 (NVIDIA GeForce RTX 3090)\nGPU UUID: {UUID}\n" in with_uuid
     assert "Unit:     r3090d@1" in body
     assert "(2027-01-15 08:00:00 UTC)" in body
 
@@ -76,6 +121,8 @@ def test_syslog_message_is_one_line_and_bounded():
     assert text.startswith("gpu1 gpu_memory FIRING (warning): a b c")
     assert not any(ch in text for ch in "\n\r\x00")
     assert len(text) == alerts.MAX_SYSLOG_TEXT
+    assert text.endswith("y… [NVIDIA GeForce RTX 3090]")  # the GPU survives the cut
+    assert alerts.syslog_message(raised()) == "gpu1 gpu_memory FIRING (warning): used 23.6 GiB [NVIDIA GeForce RTX 3090]"
 
 
 def test_retry_delay_doubles_then_caps():
@@ -216,6 +263,14 @@ def test_submit_rejects_a_non_alert():
             dispatcher.submit("gpu_memory firing")
         assert dispatcher.channels == []
         assert dispatcher.flush(0.1) is True
+
+
+def test_set_gpu_names_the_gpu_once_and_repeats_are_no_ops():
+    cfg = AlertsConfig(syslog=SyslogConfig(enabled=False))
+    with alerts.AlertDispatcher(cfg, AlertContext(hostname="box", gpu_index=0)) as dispatcher:
+        assert dispatcher.set_gpu("NVIDIA GeForce RTX 3090", 0, UUID) is True
+        assert dispatcher.set_gpu("NVIDIA GeForce RTX 3090", 0, UUID) is False
+        assert dispatcher.context.gpu_identity == f"[NVIDIA GeForce RTX 3090, {UUID}]"
 
 
 def test_send_alert_stays_frozen_with_detail():

@@ -537,3 +537,78 @@ def test_silenced_alert_is_tracked_but_not_sent():
     acts, st = policy.decide(snap(5, gpu=hot), st, c, 5)
     assert not [a for a in acts if isinstance(a, SendAlert) and a.key == "gpu_memory"]
     assert st.alerts.get("gpu_memory").firing
+
+
+# ------------------------------------------------------------ the GPU's own view
+
+
+def gpu(util, *, age=0.0, hung=False, compute=((100, 8000),), graphics=(), used_mib=8200, status=GpuStatus.OK):
+    return GpuSample(
+        status,
+        utilization_gpu=util,
+        age_s=age,
+        hung=hung,
+        memory_used=used_mib * MIB,
+        memory_total=24576 * MIB,
+        processes=tuple(GpuProcess(p, m * MIB) for p, m in compute) if compute is not None else None,
+        graphics_processes=tuple(GpuProcess(p, m * MIB) for p, m in graphics),
+    )
+
+
+def busy_engine(tokens=500.0):
+    return metrics(900, 0.1, running=2, tokens=tokens)
+
+
+GPU_CFG = dict(gpu_required=True, gpu_idle_stall_seconds=5.0, stall_seconds=10.0, gpu_busy_cap_seconds=30.0, probe_idle_seconds=1000.0, poll_interval=1.0)
+
+
+@pytest.mark.parametrize(
+    "sample, restart_at, reason",
+    [
+        (gpu(0), 5, "gpu_idle"),  # idle for exactly the threshold: restart
+        (gpu(0, graphics=((4242, 300),)), 10, "stalled"),  # a desktop on the card: counters only
+        (gpu(0, compute=((100, 8000), (555, 2000))), 10, "stalled"),  # a foreign compute pid
+        (gpu(0, used_mib=12000), 10, "stalled"),  # memory beyond the engine's share: another container
+        (gpu(0, age=2.5), 10, "stalled"),  # a stale sample is neither busy nor idle
+        (gpu(0, hung=True), 10, "stalled"),  # a hung NVML call
+        (gpu(None), 10, "stalled"),  # utilization unknown
+        (gpu(0, compute=None), 10, "stalled"),  # process lists not supported
+        (gpu(100), 30, "stalled"),  # busy is progress, up to the busy cap
+    ],
+)
+def test_gpu_idle_and_busy_table(sample, restart_at, reason):
+    c = cfg(**GPU_CFG)
+    samples = [snap(0, engine=busy_engine(), gpu=sample)] * 40
+    i, _, st = run_ready(c, samples)
+    assert (i, st.restart_reason) == (restart_at, reason)
+
+
+def test_gpu_idle_below_the_threshold_is_no_restart():
+    c = cfg(**GPU_CFG)
+    # Idle for 4 polls (under 5 s), then busy again, repeatedly: tokens move too.
+    samples = [snap(0, engine=busy_engine(tokens=500.0 + i), gpu=gpu(0 if i % 6 < 4 else 90)) for i in range(60)]
+    i, _, st = run_ready(c, samples)
+    assert i is None and st.phase is Phase.READY
+
+
+def test_gpu_idle_needs_requests_running():
+    c = cfg(**GPU_CFG)
+    idle = [snap(0, engine=metrics(900, 0.0, running=0, tokens=500.0), gpu=gpu(0))] * 40
+    i, _, _ = run_ready(c, idle)
+    assert i is None
+
+
+def test_busy_gpu_postpones_the_probe_until_the_cap():
+    c = cfg(**{**GPU_CFG, "probe_idle_seconds": 6.0})
+    st = ready_state(c)
+    sent = []
+    for t in range(2, 40):
+        acts, st = policy.decide(snap(t, engine=metrics(900, 0.0, running=0, tokens=10.0), gpu=gpu(100)), st, c, t)
+        sent += [t for a in acts if isinstance(a, SendInferenceProbe)]
+    assert sent and sent[0] >= 30  # nothing while the GPU works, under the busy cap
+
+
+def test_the_reason_for_not_using_the_gpu_is_kept_for_status():
+    c = cfg(**GPU_CFG)
+    _, _, st = run_ready(c, [snap(0, engine=busy_engine(), gpu=gpu(50, graphics=((4242, 300),)))] * 2)
+    assert st.watch.gpu_signal_off == "another process uses the GPU (pid 4242)"

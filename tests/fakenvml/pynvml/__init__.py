@@ -143,6 +143,10 @@ def nvmlDeviceGetComputeRunningProcesses_v3(handle):
     return [SimpleNamespace(pid=p, usedGpuMemory=m * MIB) for p, m in _card().get("processes", [])]
 
 
+def nvmlDeviceGetGraphicsRunningProcesses_v3(handle):
+    return [SimpleNamespace(pid=p, usedGpuMemory=m * MIB) for p, m in _card().get("graphics_processes", [])]
+
+
 def nvmlEventSetCreate():
     return "event-set"
 
