@@ -18,7 +18,18 @@ FLAG_VERSIONS: dict[str, tuple[tuple[int, ...] | None, tuple[int, ...] | None]] 
     "--shutdown-timeout": ((0, 18), None),
     "--num-scheduler-steps": (None, (0, 10, 2)),
     "--max-seq-len-to-capture": (None, (0, 11)),
+    "--disable-access-log-for-endpoints": ((0, 16), None),
 }
+# uvicorn logs one access line per request, and the daemon polls /health and
+# /metrics every watchdog.poll_interval: without this, those polls would be most
+# of the journal. vLLM matches the paths exactly (query strings ignored), so the
+# users' requests keep their access lines. The inference probe's
+# POST /v1/completions cannot be told apart from a user's and keeps its line: one
+# per probe, and a probe is sent only after the engine has been idle for the
+# probe's idle time, so at most one line per idle period.
+# (--disable-uvicorn-access-log would silence the users' requests too.)
+QUIET_ENDPOINTS = ("/health", "/metrics")
+ACCESS_LOG_FLAG = "--disable-access-log-for-endpoints"
 # Flags that appear in blog posts about the RTX 3090 but never existed in vLLM.
 NEVER_EXISTED = {"--awq-ckpt", "--awq-wbits", "--enable-moe-optimization"}
 
@@ -116,6 +127,10 @@ def build_argv(cfg: Config, version: VllmVersion) -> list[str]:
             why = _flag_supported(arg.split("=", 1)[0], version)
             if why:
                 raise ConfigError(cfg.source, f"engine.extra_args[{i}]", why, "remove it")
+    user_set = any(arg == ACCESS_LOG_FLAG or arg.startswith(ACCESS_LOG_FLAG + "=") for arg in e.extra_args)
+    if not user_set and _flag_supported(ACCESS_LOG_FLAG, version) is None:
+        # One comma-separated value: vLLM parses it as a single string.
+        argv += [ACCESS_LOG_FLAG, ",".join(QUIET_ENDPOINTS)]
     argv += list(e.extra_args)
     return argv
 

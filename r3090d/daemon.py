@@ -62,9 +62,19 @@ STARTING_POLL_S = 0.1
 
 
 def setup_logging() -> None:
-    # Under systemd the journal stamps each line; in a terminal we do.
-    fmt = "%(levelname)s %(name)s: %(message)s" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stderr, force=True)
+    from r3090d import journal
+
+    # The journal stamps each line and wants its priority as a "<N>" prefix;
+    # a terminal or a file gets a time stamp instead. JOURNAL_STREAM alone is not
+    # enough: a shell started from a journal-connected service inherits it.
+    if journal.stderr_is_journal():
+        formatter: logging.Formatter = journal.JournalFormatter("%(levelname)s %(name)s: %(message)s")
+    else:
+        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.getLogger(journal.VLLM_LOGGER).setLevel(logging.DEBUG)
 
 
 class Daemon:
@@ -95,7 +105,7 @@ class Daemon:
         # so that every change of state happens in one thread.
         self.control_queue: queue.SimpleQueue = queue.SimpleQueue()
         self.latest_doc: dict | None = None  # the last state document written
-        self.alert_context = None  # the GPU named in alerts, once NVML has answered
+        self.gpu_identity: tuple | None = None  # (name, index, uuid) named in alerts, once NVML has answered
         self.tick_stats = TickStats()  # tick-duration histogram and XID count for the exporter
         self.st = policy.initial_state(time.monotonic())
         self._last_loading_log = 0.0
@@ -172,8 +182,8 @@ class Daemon:
         from r3090d.effectors.alerts import AlertDispatcher
 
         old, self.alerts = self.alerts, AlertDispatcher.from_config(cfg)
-        if self.alert_context is not None:
-            self.alerts.set_context(self.alert_context)
+        if self.gpu_identity is not None:
+            self.alerts.set_gpu(*self.gpu_identity)
         threading.Thread(target=old.close, name="alerts-retire", daemon=True).start()
 
     def submit_control(self, request: dict, reply) -> None:
@@ -232,6 +242,10 @@ class Daemon:
             if st.phase is Phase.READY or health.status is HealthStatus.OK:
                 engine, self.last_metrics_text = self.probe.metrics()
         gpu = self.gpu_monitor.latest(time.monotonic()) if self.gpu_monitor else GpuSample(GpuStatus.DISABLED)
+        if gpu.usable:
+            self.gpu_identity = (gpu.name, gpu.index, gpu.uuid)
+            if self.alerts is not None:
+                self.alerts.set_gpu(*self.gpu_identity)  # every alert names the card; a no-op once known
         snap = Snapshot(
             now=now,
             wall=time.time(),

@@ -318,20 +318,23 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
     out.append(Condition("watchdog_blind", bool(blind_what), "warning", "watchdog blind: " + "; ".join(blind_what) if blind_what else "the watchdog sees again"))
     if cfg.gpu.required:
         lost = g.lost or g.status is GpuStatus.LOST
-        out.append(Condition("gpu_lost", lost, "critical", f"GPU {cfg.gpu.index} is lost ({g.detail or 'GpuIsLost'}): reboot needed"))
+        out.append(Condition("gpu_lost", lost, "critical", f"GPU {cfg.gpu.index} is lost ({g.detail or 'GpuIsLost'}): reboot needed" if lost else f"GPU {cfg.gpu.index} answers NVML again"))
         xids = tuple(sorted(set(w.xid_seen) | set(g.xid_errors)))
-        out.append(Condition("gpu_xid", bool(xids), "critical", f"XID critical errors {', '.join(map(str, xids))}: reboot needed"))
+        out.append(Condition("gpu_xid", bool(xids), "critical", f"XID critical errors {', '.join(map(str, xids))}: reboot needed" if xids else "no XID critical error seen since the daemon started"))
         out.append(Condition("nvml_hung", g.hung, "warning", f"an NVML call has been stuck for {g.age_s or 0:.0f} s" if g.hung else "NVML answers again"))
         limit = wd.gpu_memory_alert_mib * MIB
         if g.usable and g.memory_used is not None:
-            out.append(Condition("gpu_memory", g.memory_used > limit, "warning", f"GPU memory used {g.memory_used / MIB:.0f} MiB (alert above {wd.gpu_memory_alert_mib} MiB)"))
+            over = g.memory_used > limit
+            out.append(Condition("gpu_memory", over, "warning", f"GPU memory used {g.memory_used / MIB:.0f} MiB (alert above {wd.gpu_memory_alert_mib} MiB)" if over else f"GPU memory used {g.memory_used / MIB:.0f} MiB, back under {wd.gpu_memory_alert_mib} MiB"))
         if g.usable and g.temperature_c is not None:
-            out.append(Condition("gpu_temperature", g.temperature_c >= wd.temperature_warn_c, "warning", f"GPU at {g.temperature_c} C (warning at {wd.temperature_warn_c} C)"))
+            hot = g.temperature_c >= wd.temperature_warn_c
+            out.append(Condition("gpu_temperature", hot, "warning", f"GPU at {g.temperature_c} C (warning at {wd.temperature_warn_c} C)" if hot else f"GPU cooled to {g.temperature_c} C (warning at {wd.temperature_warn_c} C)"))
         if g.usable and g.power_w is not None and g.power_limit_w:
-            out.append(Condition("gpu_power", g.power_w >= wd.power_warn_ratio * g.power_limit_w, "warning", f"GPU power {g.power_w:.0f} W of a {g.power_limit_w:.0f} W limit (warning at {wd.power_warn_ratio:.0%})"))
+            high = g.power_w >= wd.power_warn_ratio * g.power_limit_w
+            out.append(Condition("gpu_power", high, "warning", f"GPU power {g.power_w:.0f} W of a {g.power_limit_w:.0f} W limit (warning at {wd.power_warn_ratio:.0%})" if high else f"GPU power back to {g.power_w:.0f} W of a {g.power_limit_w:.0f} W limit"))
         if g.usable and g.clock_event_reasons is not None:
             hit = sorted(set(g.clock_event_reasons) & set(wd.throttle_warn_reasons))
-            out.append(Condition("gpu_throttle", bool(hit), "warning", f"GPU clocks held back: {', '.join(hit) or 'no longer'}"))
+            out.append(Condition("gpu_throttle", bool(hit), "warning", f"GPU clocks held back: {', '.join(hit)}" if hit else "GPU clocks no longer held back"))
         slope = memory_slope(w.memory_points)
         if g.usable and g.memory_used is not None and life.phase is Phase.READY:
             growing = False
@@ -345,6 +348,8 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
         rate = preemption_rate(w)
         rate_text = f", {rate:.1f} preemptions/min" if rate is not None else ""
         eng = snap.engine
-        out.append(Condition("kv_pressure", w.kv_load, "warning", f"KV cache full under load: {eng.free_blocks or 0:.0f} free blocks, {eng.running or 0:.0f} running, {eng.waiting or 0:.0f} waiting{rate_text}"))
-    out.append(Condition("engine_backoff", life.phase is Phase.BACKOFF and (life.backoff_remaining or 0) > 0, "warning", f"engine restart backoff after {life.restart_reason}: {life.backoff_remaining or 0:.0f} s left"))
+        counts = f"{eng.free_blocks or 0:.0f} free blocks, {eng.running or 0:.0f} running, {eng.waiting or 0:.0f} waiting"
+        out.append(Condition("kv_pressure", w.kv_load, "warning", f"KV cache full under load: {counts}{rate_text}" if w.kv_load else f"KV cache has room again: {counts}"))
+    backoff = life.phase is Phase.BACKOFF and (life.backoff_remaining or 0) > 0
+    out.append(Condition("engine_backoff", backoff, "warning", f"engine restart backoff after {life.restart_reason}: {life.backoff_remaining or 0:.0f} s left" if backoff else f"engine restart backoff over (after {life.restart_reason})"))
     return out

@@ -142,14 +142,21 @@ class EngineProcess:
         threading.Thread(target=self._wait_exit, args=(proc, generation), name="engine-waiter", daemon=True).start()
 
     def _read_output(self, proc: subprocess.Popen) -> None:
+        from r3090d.journal import VLLM_LOGGER, VllmLineClassifier
+
         assert proc.stdout is not None
+        # Relayed at vLLM's own level, so the journal stores an EngineCore traceback
+        # at priority 3 and `journalctl -p warning` shows it. One per engine process:
+        # an open traceback must not outlive the output it belongs to.
+        levels = VllmLineClassifier()
+        relay = logging.getLogger(VLLM_LOGGER)
         for raw in proc.stdout:
             line = raw.decode("utf-8", "replace").rstrip("\n")
             self._tail.append(line)
             if self._echo is not None:
                 self._echo(line)
             else:
-                log.info("[vllm] %s", line)
+                relay.log(levels.classify(line).logging_level, "[vllm] %s", line)
 
     def _wait_exit(self, proc: subprocess.Popen, generation: int) -> None:
         code = proc.wait()

@@ -13,7 +13,9 @@ import pytest
 import requests
 
 from r3090d.model import HealthStatus
+from r3090d.probes import inference
 from r3090d.probes.engine import EngineProbe, fetch_metrics, probe_health
+from r3090d.probes.inference import InferenceProber
 
 pytestmark = pytest.mark.component
 
@@ -335,3 +337,158 @@ def test_probe_reuses_one_session_over_many_polls(serve):
             assert sample.preemptions_total == 2
     assert len(engine.requests) == 40
     assert {path for path, _ in engine.requests} == {"/health", "/metrics"}
+
+
+# ------------------------------------------------------------ proxies and keys
+
+API_KEY = "sk-engine-key-for-tests"
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
+
+
+def completion(handler, stop):
+    send(handler, 200, b'{"choices":[{"text":"pong"}]}', content_type="application/json")
+
+
+class ProxyTrap:
+    """A stand-in for an HTTP proxy: counts connections, keeps what arrives, answers 502."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.05)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.connections = 0
+        self.received = b""
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                conn.settimeout(2)
+                try:
+                    self.received += conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                except OSError:
+                    pass
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.listener.close()
+
+
+@pytest.fixture
+def proxy_trap(monkeypatch) -> Iterator[ProxyTrap]:
+    """Every proxy variable, both spellings, points at the trap; nothing is exempted by NO_PROXY."""
+    trap = ProxyTrap()
+    for name in PROXY_VARIABLES:
+        monkeypatch.setenv(name, trap.url)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    yield trap
+    trap.close()
+
+
+def run_inference_probe(prober: InferenceProber, wake: threading.Event):
+    wake.clear()
+    prober.send()
+    assert wake.wait(15), "the inference probe never reported"
+    return prober.sample()
+
+
+def test_the_proxy_trap_catches_a_client_that_trusts_the_environment(serve, proxy_trap):
+    # Shows the next test can fail: a default requests client does go to the trap, key and all.
+    engine = serve({"/health": answer(200)})
+    response = requests.get(engine.url + "/health", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=5)
+    assert response.status_code == 502
+    assert proxy_trap.connections == 1 and API_KEY.encode() in proxy_trap.received
+    assert engine.requests == []
+
+
+def test_no_probe_goes_through_a_proxy_from_the_environment(serve, proxy_trap):
+    engine = serve({"/health": answer(200), "/metrics": answer(200, KV_FULL), "/v1/completions": completion})
+    with EngineProbe(engine.url, MODEL, health_timeout=5, metrics_timeout=5) as probe:
+        assert probe.health().status is HealthStatus.OK
+        sample, _ = probe.metrics()
+        assert sample.error is None and sample.kv_usage == 1.0
+    wake = threading.Event()
+    result = run_inference_probe(InferenceProber(engine.url, MODEL, API_KEY, timeout=5, wake=wake), wake)
+    assert result.ok is True, result.detail
+    assert proxy_trap.connections == 0
+    assert [path for path, _ in engine.requests] == ["/health", "/metrics", "/v1/completions"]
+    assert engine.requests[-1][1].get("Authorization") == f"Bearer {API_KEY}"
+
+
+def test_an_unexpected_exception_fails_the_probe_and_frees_it(serve):
+    # A key with a character outside Latin-1 (a typographic quote pasted along with
+    # it) cannot go in a header: http.client raises UnicodeEncodeError, which is no
+    # requests exception.
+    engine = serve({"/v1/completions": completion})
+    wake = threading.Event()
+    prober = InferenceProber(engine.url, MODEL, "sk-\u201ckey\u201d", timeout=5, wake=wake)
+    first = run_inference_probe(prober, wake)
+    assert first.ok is False and "UnicodeEncodeError" in first.detail
+    assert first.finished_at is not None and first.sent_at is not None and first.finished_at >= first.sent_at
+    assert first.consecutive_failures == 1
+    # Not left in flight: the next send starts a new probe, and it fails again.
+    second = run_inference_probe(prober, wake)
+    assert second.ok is False and second.consecutive_failures == 2
+    assert second.sent_at is not None and second.sent_at > first.sent_at
+
+
+def test_an_exception_inside_the_client_fails_the_probe(serve, monkeypatch):
+    def explode(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    engine = serve({"/v1/completions": completion})
+    monkeypatch.setattr(requests.Session, "request", explode)  # the client library's boundary
+    wake = threading.Event()
+    sample = run_inference_probe(InferenceProber(engine.url, MODEL, API_KEY, timeout=5, wake=wake), wake)
+    assert sample.ok is False and "RuntimeError" in sample.detail and "boom" in sample.detail
+
+
+def test_a_key_the_client_refuses_is_not_echoed_in_the_detail(serve):
+    engine = serve({"/v1/completions": completion})
+    wake = threading.Event()
+    key = "sk-secret-value\r\nX-Injected: 1"
+    sample = run_inference_probe(InferenceProber(engine.url, MODEL, key, timeout=5, wake=wake), wake)
+    assert sample.ok is False and sample.detail
+    assert "secret-value" not in sample.detail
+    assert engine.requests == []
+
+
+def test_a_probe_that_cannot_start_a_thread_is_a_failure_not_in_flight(monkeypatch):
+    class NoThread:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def start(self):
+            raise RuntimeError("can't start new thread")
+
+    wake = threading.Event()
+    prober = InferenceProber("http://127.0.0.1:9", MODEL, "", timeout=5, wake=wake)
+    monkeypatch.setattr(inference.threading, "Thread", NoThread)
+    prober.send()
+    sample = prober.sample()
+    assert sample.ok is False and "RuntimeError" in sample.detail
+    assert wake.is_set()
+    prober.send()  # not stuck in flight: it tries again, and fails again
+    assert prober.sample().consecutive_failures == 2
+
+
+def test_inference_probe_ok_and_http_error(serve):
+    engine = serve({"/v1/completions": completion})
+    wake = threading.Event()
+    assert run_inference_probe(InferenceProber(engine.url, MODEL, "", timeout=5, wake=wake), wake).ok is True
+    assert "Authorization" not in engine.requests[-1][1]
+    broken = serve({"/v1/completions": answer(500, "no\n")})
+    sample = run_inference_probe(InferenceProber(broken.url, MODEL, API_KEY, timeout=5, wake=wake), wake)
+    assert sample.ok is False and sample.detail == "HTTP 500"
