@@ -25,8 +25,9 @@ FLAG_VERSIONS: dict[str, tuple[tuple[int, ...] | None, tuple[int, ...] | None]] 
 # of the journal. vLLM matches the paths exactly (query strings ignored), so the
 # users' requests keep their access lines. The inference probe's
 # POST /v1/completions cannot be told apart from a user's and keeps its line: one
-# per probe, and a probe is sent only after the engine has been idle for the
-# probe's idle time, so at most one line per idle period.
+# per probe, and a probe is sent only after nothing progressed for
+# watchdog.probe_idle_seconds, so an idle engine logs one such line per idle
+# period (60 s by default) and a busy one none.
 # (--disable-uvicorn-access-log would silence the users' requests too.)
 QUIET_ENDPOINTS = ("/health", "/metrics")
 ACCESS_LOG_FLAG = "--disable-access-log-for-endpoints"

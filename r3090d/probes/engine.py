@@ -30,6 +30,7 @@ import urllib3.exceptions
 from prometheus_client.parser import text_string_to_metric_families
 
 from r3090d.model import EngineSample, HealthSample, HealthStatus
+from r3090d.probes.http import engine_session
 
 MAX_METRICS_BYTES = 8 * 1024 * 1024
 # parse() refuses text longer than the fetcher could ever return.
@@ -460,9 +461,7 @@ class EngineProbe:
         self.health_timeout = health_timeout
         self.metrics_timeout = metrics_timeout
         self.max_bytes = max_bytes
-        self._session = requests.Session()
-        # The engine is local: proxies or .netrc credentials from the environment must not apply.
-        self._session.trust_env = False
+        self._session = engine_session()
 
     def health(self) -> HealthSample:
         return probe_health(self._session, self.base_url, self.health_timeout)

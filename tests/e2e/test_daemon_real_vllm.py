@@ -231,3 +231,44 @@ def test_kv_exhaustion_is_load_then_restarts_when_told(vllm_lock, vllm_config_wr
         assert group_members(main) == []
     finally:
         d.cleanup()
+
+
+def test_real_vllm_start_failure_gives_up_with_its_root_cause_in_the_alert(vllm_lock, vllm_config_writer, tmp_path):
+    """vLLM's EngineCore raises at start (a max_model_len its 8 KV blocks cannot hold); the API
+    server prints a follow-on traceback after it. The alert names EngineCore's line."""
+
+    from tests.daemon_harness import bind_unix_dgram
+
+    syslog_path = tmp_path / "syslog.sock"
+    receiver = bind_unix_dgram(syslog_path, timeout=1.0)
+    cfg = vllm_config_writer(
+        overrides={
+            "profile": "none",
+            "engine": {"extra_args": [*CPU_EXTRA_ARGS, "--max-model-len", "1024", "--num-gpu-blocks-override", "8"]},
+            "watchdog": {"start_failures": 5, "same_cause_failures": 2, "backoff_initial": 0.0},
+            "alerts": {"syslog": {"enabled": True, "address": str(syslog_path)}},
+        }
+    )
+    d = DaemonProcess(cfg, tmp_path / "daemon.log").start()
+    try:
+        t0 = time.monotonic()
+        st = d.wait_for(lambda s: s if s["engine"]["phase"] == "given-up" else None, 2 * READY_TIMEOUT, "given-up")
+        print(f"given up after two start failures in {time.monotonic() - t0:.1f} s: {st['give_up_reason']}")
+        cause = "ValueError: To serve at least one request with the model's max seq len (1024)"
+        assert cause in st["give_up_reason"] and "same cause" in st["give_up_reason"], st["give_up_reason"]
+        assert "Engine core initialization failed" not in st["restarts"]["last_root_cause"]
+        messages = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(b"gave_up" in m and b"FIRING" in m for m in messages):
+            try:
+                messages.append(receiver.recv(65536))
+            except TimeoutError:
+                continue
+        gave_up = [m.decode(errors="replace") for m in messages if b"gave_up" in m and b"FIRING" in m]
+        assert gave_up and cause in gave_up[0], messages
+        restarted = [m.decode(errors="replace") for m in messages if b"engine_restarted" in m]
+        assert restarted and cause in restarted[0], messages
+        assert d.proc.poll() is None  # the daemon stays up after a give-up
+    finally:
+        d.cleanup()
+        receiver.close()

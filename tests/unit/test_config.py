@@ -116,6 +116,39 @@ def test_version_awareness_refuses_missing_flag(tmp_path, model_dir):
     assert "--num-scheduler-steps" in argvmod.build_argv(cfg, argvmod.parse_version("0.9.2"))
 
 
+@pytest.mark.parametrize(
+    "version, quieted",
+    [("0.15.1", False), ("0.16.0", True), ("0.16.0rc1", True), ("0.31.2", True), ("0.32.0", True)],
+)
+def test_the_daemons_polls_leave_the_access_log_where_vllm_can(tmp_path, model_dir, version, quieted):
+    cfg = configmod.load(write(tmp_path, base(model_dir, "shutdown_timeout = 0")))
+    argv = argvmod.build_argv(cfg, argvmod.parse_version(version))
+    assert "--disable-uvicorn-access-log" not in argv, "the users' requests keep their access lines"
+    if quieted:
+        # One comma-separated value, as vLLM parses it.
+        i = argv.index("--disable-access-log-for-endpoints")
+        assert argv[i + 1] == "/health,/metrics"
+    else:
+        assert "--disable-access-log-for-endpoints" not in argv  # vLLM 0.15 would refuse to start
+
+
+@pytest.mark.parametrize(
+    "extra", [["--disable-access-log-for-endpoints", "/ping"], ["--disable-access-log-for-endpoints=/ping"]]
+)
+def test_the_users_own_access_log_endpoints_win(tmp_path, model_dir, extra):
+    cfg = configmod.load(write(tmp_path, base(model_dir, f"extra_args = {extra!r}".replace("'", '"'))))
+    argv = argvmod.build_argv(cfg, argvmod.parse_version("0.32.0"))
+    assert [a for a in argv if a.startswith("--disable-access-log-for-endpoints")] == [extra[0]]
+    assert argv[-len(extra) :] == extra
+
+
+def test_the_access_log_flag_is_refused_before_vllm_had_it(tmp_path, model_dir):
+    cfg = configmod.load(write(tmp_path, base(model_dir, 'shutdown_timeout = 0\nextra_args = ["--disable-access-log-for-endpoints", "/ping"]')))
+    with pytest.raises(ConfigError) as err:
+        argvmod.build_argv(cfg, argvmod.parse_version("0.15.1"))
+    assert "engine.extra_args[0]" in str(err.value) and "0.16" in str(err.value)
+
+
 def venv_with_vllm(tmp_path, version_py: str, init: str = "") -> str:
     """A venv whose site-packages holds a stand-in `vllm` package; returns its python."""
     site = tmp_path / "site" / "vllm"

@@ -1,0 +1,113 @@
+"""Restart semantics against the vLLM double: recoverable faults never lead to a give-up;
+an engine that cannot start is given up on, with its root cause, and the daemon stays up."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+
+from tests.component.test_daemon_supervision import run_daemon  # noqa: F401  (fixture)
+from tests.daemon_harness import engine_config, group_members, wait_until
+
+pytestmark = pytest.mark.component
+
+FAULTS = 20
+
+
+def _fault(n: int, st: dict) -> None:
+    """Four kinds of recoverable fault, in turn: an exit 0, the API server killed,
+    EngineCore killed, /health 503 (vLLM's EngineDeadError answer)."""
+    url = st["engine"]["url"]
+    main = st["engine"]["pid"]
+    kind = n % 4
+    if kind == 0:
+        httpx.post(f"{url}/fake/control", json={"exit": 0}, timeout=5, trust_env=False)
+    elif kind == 1:
+        os.kill(main, signal.SIGKILL)
+    elif kind == 2:
+        core = [p for p in group_members(main) if p != main]
+        os.kill(core[0], signal.SIGKILL)
+    else:
+        httpx.post(f"{url}/fake/control", json={"health": "503"}, timeout=5, trust_env=False)
+
+
+def alert_lines(log: str, key: str) -> list[str]:
+    return [line.split(f"alert {key} ", 1)[1].split(":", 1)[0] for line in log.splitlines() if f"alert {key} " in line]
+
+
+def test_recoverable_faults_restart_at_once_for_ever_and_the_storm_alert_fires_then_resolves(run_daemon, tmp_path, fake_engine_python):  # noqa: F811
+    window = 30.0
+    d = run_daemon(
+        engine_config(
+            tmp_path,
+            fake_engine_python,
+            extra_args=["--fake-dead-exit-delay", "0.2"],
+            watchdog={
+                "min_uptime": 1.0,
+                "backoff_initial": 20.0,  # any backoff at all would show as a 20 s gap
+                "backoff_max": 20.0,
+                "start_failures": 3,
+                "restart_storm_restarts": 3,
+                "restart_storm_window": window,
+                "dead_refused_polls": 2,
+            },
+            alerts={"min_interval": 0.0},
+        )
+    )
+    st = d.wait_ready()
+    for n in range(FAULTS):
+        # Ready for longer than min_uptime: the next failure is not a start failure.
+        wait_until(lambda: _ready_for(d) > 1.5, 30, what="min_uptime passed")
+        old = st["engine"]["pid"]
+        _fault(n, st)
+        st = d.wait_ready(timeout=30, generation_pid=old)
+        assert st["restarts"]["backoff_level"] == 0 and st["restarts"]["start_failures"] == 0, st["restarts"]
+        assert st["give_up_reason"] is None
+    assert st["restarts"]["total"] == FAULTS
+    assert "restart_storm" in st["alerts"]["firing"]
+    # After the storm: the restarts age out of the window and one RESOLVED goes out.
+    wait_until(lambda: "restart_storm" not in d.state()["alerts"]["firing"], window + 30, what="restart_storm resolved")
+    assert alert_lines(d.log(), "restart_storm") == ["firing", "resolved"], d.log()[-3000:]
+    assert d.state()["engine"]["phase"] == "ready" and d.proc.poll() is None
+
+
+def _ready_for(d) -> float:
+    st = d.state()
+    if st["engine"]["phase"] != "ready" or not st["engine"]["ready_since"]:
+        return 0.0
+    return st["written_at"] - st["engine"]["ready_since"]
+
+
+@pytest.mark.parametrize(
+    "watchdog, expected_failures, why",
+    [
+        ({"start_failures": 3, "same_cause_failures": 100}, 3, "3 start failures in a row"),
+        ({"start_failures": 10, "same_cause_failures": 2}, 2, "2 start failures in a row with the same cause"),
+    ],
+)
+def test_an_engine_that_cannot_start_is_given_up_on_with_its_root_cause(run_daemon, tmp_path, fake_engine_python, watchdog, expected_failures, why):  # noqa: F811
+    # The double's KV cache cannot hold its max_model_len: EngineCore raises, as vLLM's does.
+    d = run_daemon(
+        engine_config(
+            tmp_path,
+            fake_engine_python,
+            extra_args=["--fake-num-gpu-blocks", "8", "--max-model-len", "4096"],
+            watchdog={"backoff_initial": 0.2, "backoff_max": 0.4, **watchdog},
+        )
+    )
+    st = d.wait_for(lambda s: s if s["engine"]["phase"] == "given-up" else None, 60, "given-up")
+    cause = "ValueError: To serve at least one request"
+    assert st["give_up_reason"].startswith(why) and cause in st["give_up_reason"], st["give_up_reason"]
+    assert cause in st["restarts"]["last_root_cause"]
+    assert st["restarts"]["total"] == expected_failures - 1  # the last failure is the give-up, not a restart
+    firing = alert_lines(d.log(), "gave_up")
+    assert firing == ["firing"], d.log()[-3000:]
+    assert cause in next(line for line in d.log().splitlines() if "alert gave_up firing" in line)
+    # Each restart's alert carries the root cause too.
+    restarted = [line for line in d.log().splitlines() if "alert engine_restarted firing" in line]
+    assert len(restarted) == expected_failures - 1 and all(cause in line for line in restarted), restarted
+    # The daemon stays, the engine is stopped.
+    assert d.proc.poll() is None and st["engine"]["pid"] is None
