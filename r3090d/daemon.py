@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from r3090d import __version__, alerting, exitcodes, forensics, policy
+from r3090d import __version__, exitcodes, forensics, policy, safedir
 from r3090d import argv as argvmod
 from r3090d import config as configmod
 from r3090d.config import Config, ConfigError
@@ -99,6 +99,7 @@ class Daemon:
         self.last_restart_record: Path | None = None
         self.pending_restart: RestartKind | None = None
         self.pending_maintenance: bool | None = None
+        self.pending_silences: list[tuple[str, float]] = []
         self.shutdown = False
         self.preflight_summary: dict | None = None
         # Control-plane requests: (request dict, reply callable), handled in the loop
@@ -223,7 +224,7 @@ class Daemon:
             key, seconds = request.get("alert"), request.get("seconds")
             if not isinstance(key, str) or not isinstance(seconds, int | float) or isinstance(seconds, bool) or not 0 < seconds <= 30 * 86400:
                 return {"ok": False, "error": "silence needs alert: <name> and seconds: 1..2592000"}
-            self.st = dataclasses.replace(self.st, alerts=alerting.silence(self.st.alerts, key, time.monotonic() + seconds))
+            self.pending_silences.append((key, float(seconds)))  # applied by decide, on its own clock
             return {"ok": True, "message": f"{key} silenced for {seconds:.0f} s"}
         if cmd == "reload":
             status, text = self.reload()
@@ -257,7 +258,9 @@ class Daemon:
             shutdown_requested=self.shutdown,
             restart_requested=self.pending_restart,
             maintenance=self.pending_maintenance,
+            silences=tuple(self.pending_silences),
         )
+        self.pending_silences = []
         self.pending_restart = None
         self.pending_maintenance = None
         return snap
@@ -387,6 +390,14 @@ class Daemon:
     # --------------------------------------------------------------- loop
 
     def run(self, skip_preflight: bool = False) -> int:
+        try:
+            # Another user able to swap control.sock or state.json could feed root's r3090ctl a fake state.
+            safedir.ensure(self.cfg.daemon.state_dir, "daemon.state_dir")
+            safedir.ensure(self.cfg.daemon.runtime_dir, "daemon.runtime_dir")
+        except safedir.UnsafeDirectory as exc:
+            log.error("%s (config %s); exit %d", exc, self.cfg.source, exitcodes.CONFIG)
+            self._close_helpers()
+            return exitcodes.CONFIG
         self.warn_if_watchdog_too_short()
         if skip_preflight:
             log.warning("preflight skipped (--skip-preflight): starting vLLM without checking the host")

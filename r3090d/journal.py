@@ -115,11 +115,14 @@ _LEVEL_WORD = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)(?::|\s)")
 _TRACEBACK_START = re.compile(r"^(?:Traceback \(most recent call last\):|Exception Group Traceback \(most recent call last\):)")
 # What ends a traceback: the exception at column 0, "ValueError: ...",
 # "torch.OutOfMemoryError: ...", "KeyboardInterrupt", "test.<locals>.Oops: x".
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w<>]*\.)*[A-Z]\w*(?::(?:\s.*)?)?$")
-# Lines of an error that are not inside a traceback block.
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_<][\w<>]*\.)*[A-Z]\w*(?::(?:\s.*)?)?$")
+# Lines of an error that are not inside a traceback block: the links of a chained
+# exception, multiprocessing's "Process EngineCore_DP0:" before a child's
+# traceback, and the interpreter's own last words.
 _ERROR_SENTENCES = re.compile(
-    r"^(?:During handling of the above exception, another exception occurred:"
-    r"|The above exception was the direct cause of the following exception:"
+    r"^(?:During handling of the above exception, another exception occurred:$"
+    r"|The above exception was the direct cause of the following exception:$"
+    r"|Process [\w-]+:$"
     r"|Fatal Python error: )"
 )
 # The warnings module: "/x/y.py:12: UserWarning: text".

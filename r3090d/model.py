@@ -131,13 +131,22 @@ class HealthSample:
 
 @dataclass(frozen=True)
 class EngineSample:
-    """What vLLM's /metrics says about the served model. Counters are cumulative."""
+    """What vLLM's /metrics says about the served model. Counters are cumulative.
+
+    With several data-parallel engines (`engine` label), the queue and token
+    figures are summed over them. Engines may differ in size, so the KV figures
+    are per engine: free_blocks is the engine with the fewest free blocks, and
+    num_gpu_blocks, block_size, kv_cache_size_tokens and cache_config are that
+    engine's; kv_usage is the highest usage of any engine, which need not be the
+    same one. With a single engine, free_blocks = (num_gpu_blocks - 1) * (1 - kv_usage).
+    """
 
     error: str | None = None  # why the text could not be read or parsed
-    kv_usage: float | None = None  # 0..1
-    num_gpu_blocks: int | None = None
+    kv_usage: float | None = None  # 0..1, the fullest engine
+    num_gpu_blocks: int | None = None  # of the engine with the fewest free blocks
     block_size: int | None = None
-    free_blocks: float | None = None  # (num_gpu_blocks - 1) * (1 - kv_usage)
+    free_blocks: float | None = None  # fewest of any engine: (its num_gpu_blocks - 1) * (1 - its usage)
+    engines: int = 0  # engines serving the model (distinct engine labels); 0 when nothing was read
     running: float | None = None
     waiting: float | None = None
     preemptions_total: float | None = None
@@ -200,6 +209,7 @@ class Snapshot:
     # Requests from the control plane, consumed by this tick's decide().
     restart_requested: RestartKind | None = None
     maintenance: bool | None = None  # None = no change requested
+    silences: tuple[tuple[str, float], ...] = ()  # (alert key, seconds from now)
 
 
 # ----------------------------------------------------------------------- phases

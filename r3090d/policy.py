@@ -98,6 +98,8 @@ def decide(snap: Snapshot, st: PolicyState, cfg: Config, now: float) -> tuple[li
     events: list[rules.Condition] = []
     if snap.maintenance is not None and snap.maintenance != st.maintenance:
         st = replace(st, maintenance=snap.maintenance)
+    for key, seconds in snap.silences:
+        st = replace(st, alerts=alerting.silence(st.alerts, key, now + seconds))
     if snap.gpu.xid_errors:
         st = replace(st, xid_seen=tuple(sorted(set(st.xid_seen) | set(snap.gpu.xid_errors))))
     window = cfg.watchdog.restart_storm_window

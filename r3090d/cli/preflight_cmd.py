@@ -1,6 +1,7 @@
 """`r3090ctl preflight`: check the host, GPU, model and engine before (or while) running.
 
-Exit codes: 0 all checks ok or skipped, 1 warnings only, 2 any failure.
+Exit codes: 0 all checks ok or skipped, 1 warnings only, 2 any failure, 3 the
+checks could not run (a config or usage error).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import click
 import psutil
 
 from r3090d import preflight as preflightmod
-from r3090d.cli.common import config_option, ctl, emit_json, instance_option, load_config
+from r3090d.cli.common import HealthCommand, config_option, ctl, emit_json, instance_option, load_config
 from r3090d.config import Config
 from r3090d.state import STATE_FILE, read_json
 
@@ -44,13 +45,13 @@ def render_table(results: list[preflightmod.CheckResult]) -> str:
     return "\n".join(lines)
 
 
-@ctl.command("preflight")
+@ctl.command("preflight", cls=HealthCommand)
 @config_option
 @instance_option
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.option("--own-pid", "own_pids", type=int, multiple=True, hidden=True, help="a pid of r3090d's own engine")
 def preflight(config_path, instance, as_json, own_pids) -> int:
-    """Check the GPU, host, model and vLLM install; exit 0 ok, 1 warnings, 2 failures."""
+    """Check the GPU, host, model and vLLM install; exit 0 ok, 1 warnings, 2 failures, 3 unknown."""
     # Missing model or python are reported as failed checks, not as config errors.
     cfg = load_config(config_path, instance, check_files=False)
     from r3090d import preflight_facts

@@ -17,7 +17,7 @@ import click
 import psutil
 
 from r3090d import control, exitcodes, statusview
-from r3090d.cli.common import config_option, ctl, emit_json, instance_option, load_config
+from r3090d.cli.common import CommandError, HealthCommand, config_option, ctl, emit_json, instance_option, load_config, reader_gone
 from r3090d.config import ConfigError
 from r3090d.exporter import stale_after
 from r3090d.state import STATE_FILE
@@ -122,7 +122,7 @@ def render(cfg, found: Located, now: float, as_json: bool) -> int:
     return verdict.code
 
 
-@ctl.command("status")
+@ctl.command("status", cls=HealthCommand)
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output (with --watch: one JSON document per line)")
 @click.option("--watch", type=click.FloatRange(min=0.2), metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
 @config_option
@@ -132,8 +132,7 @@ def status_command(as_json, watch, config_path, instance) -> int:
     try:
         cfg = load_config(config_path, instance, check_files=False)
     except ConfigError as exc:
-        click.echo(f"r3090ctl status: cannot find the daemon: config error: {exc.one_line()}", err=True)
-        return exitcodes.UNKNOWN
+        raise CommandError(f"cannot find the daemon: config error: {exc.one_line()}", exitcodes.UNKNOWN, "r3090ctl status") from None
     if not watch:
         return render(cfg, locate(cfg), time.time(), as_json)
     code = exitcodes.UNKNOWN
@@ -151,6 +150,8 @@ def status_command(as_json, watch, config_path, instance) -> int:
                 code = render(cfg, found, time.time(), False)
                 click.echo(f"(every {watch:g} s, Ctrl-C to stop; {time.strftime('%H:%M:%S')})")
             sys.stdout.flush()
+            if reader_gone():  # `status --watch | head`: nobody reads any more
+                return code
             time.sleep(watch)
     except KeyboardInterrupt:
         return code

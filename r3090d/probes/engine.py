@@ -24,6 +24,7 @@ import re
 import socket
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import requests
 import urllib3.exceptions
@@ -35,6 +36,11 @@ from r3090d.probes.http import engine_session
 MAX_METRICS_BYTES = 8 * 1024 * 1024
 # parse() refuses text longer than the fetcher could ever return.
 MAX_TEXT_CHARS = MAX_METRICS_BYTES
+# A wanted line longer than this is skipped, that series alone. The longest real
+# one, vllm:cache_config_info, is about 1 KB. prometheus_client's label parse
+# takes time that grows with the square of a block's length when it holds escapes
+# (a 1 MB block: seconds; 7 MB: minutes), and the memo below keeps the blocks.
+MAX_LINE_CHARS = 16 * 1024
 
 KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # before vLLM 0.12
@@ -79,6 +85,10 @@ _WANTED_FIRST_LINE = re.compile(_WANTED_SAMPLE)  # the first line has no newline
 
 _MAX_DETAIL = 200
 
+# A series' labels, sorted by name: the key that tells two series of one name apart.
+Labels = tuple[tuple[str, str], ...]
+Series = dict[str, dict[Labels, float]]  # sample name -> labels -> value
+
 
 def _short(text: str, limit: int = _MAX_DETAIL) -> str:
     text = " ".join(text.split())
@@ -93,11 +103,18 @@ def parse(text: str, model_name: str) -> EngineSample:
 
     Only series whose `model_name` label equals `model_name` count; with an empty
     `model_name`, the single model on the endpoint is taken. Series of several
-    engines of that model (data parallel) are summed, except KV usage, where the
-    fullest engine is reported. `error` is set when the text is unusable (empty,
-    truncated, oversized, malformed, not vLLM, or no series for the model) and
-    then every field is None; it is also set, with the other fields filled, when
-    the KV-cache usage gauge alone is missing, because the KV rules are blind then.
+    engines of that model (data parallel, told apart by the `engine` label) are
+    summed, except the KV cache: engines may differ in size, so each one's free
+    blocks come from its own usage and its own cache_config_info, and the engine
+    with the fewest is reported (its block figures with it); `kv_usage` is the
+    highest usage of any engine. A series given twice (same name and labels)
+    counts once: the last line wins, as on a Prometheus scrape. A line longer
+    than MAX_LINE_CHARS is skipped, that series alone.
+
+    `error` is set when the text is unusable (empty, truncated, oversized,
+    malformed, not vLLM, or no series for the model) and then every field is
+    None; it is also set, with the other fields filled, when the KV-cache usage
+    gauge alone is missing, because the KV rules are blind then.
     """
     try:
         return _parse(text, model_name)
@@ -127,29 +144,31 @@ def _parse(text: str, model_name: str) -> EngineSample:
             )
         return EngineSample(error="none of the watched vllm: metrics are in the text")
 
-    series: dict[str, list[tuple[dict[str, str], float]]] = {}
-    configs: list[tuple[tuple[str, str], ...]] = []
+    series: Series = {}
+    configs: dict[Labels, None] = {}  # an ordered set: the first of each distinct block first
     try:
         for name, tail in lines:
+            if len(name) + len(tail) > MAX_LINE_CHARS:
+                continue  # this series alone is dropped; see MAX_LINE_CHARS
             labels, value = _read_sample_tail(tail)
+            key = tuple(sorted(labels))
             if name == CACHE_CONFIG:
-                configs.append(tuple(sorted(labels)))
+                configs.setdefault(key)
             else:
-                series.setdefault(name, []).append((dict(labels), value))
+                # The same name and labels again: the last line wins, as on a Prometheus scrape.
+                series.setdefault(name, {})[key] = value
     except ValueError as exc:
         return EngineSample(error=_short(f"malformed metrics line: {exc}"))
 
     chosen = _series_of_model(series, model_name)
     if isinstance(chosen, str):
         return EngineSample(error=chosen)
-    engines = {labels.get("engine") for rows in chosen.values() for labels, _ in rows}
-    cache_config = _pick_cache_config(configs, engines, model_name)
-    return _build_sample(chosen, cache_config, model_name)
+    return _build_sample(chosen, list(configs), model_name)
 
 
-def _read_sample_tail(tail: str) -> tuple[tuple[tuple[str, str], ...], float]:
+def _read_sample_tail(tail: str) -> tuple[Labels, float]:
     """(labels, value) from what follows a sample's name. Raises ValueError when malformed."""
-    labels: tuple[tuple[str, str], ...] = ()
+    labels: Labels = ()
     rest = tail
     if tail.startswith("{"):
         # The value and timestamp after the block hold no "}", so the last one
@@ -172,7 +191,7 @@ def _read_sample_tail(tail: str) -> tuple[tuple[tuple[str, str], ...], float]:
 
 
 @functools.lru_cache(maxsize=64)
-def _parse_label_block(block: str) -> tuple[tuple[str, str], ...]:
+def _parse_label_block(block: str) -> Labels:
     """The labels of one {...} block, unescaped by prometheus_client. Raises ValueError."""
     families = list(text_string_to_metric_families("m" + block + " 0\n"))
     if len(families) != 1 or len(families[0].samples) != 1:
@@ -180,11 +199,18 @@ def _parse_label_block(block: str) -> tuple[tuple[str, str], ...]:
     return tuple(families[0].samples[0].labels.items())
 
 
-def _series_of_model(
-    series: dict[str, list[tuple[dict[str, str], float]]], model_name: str
-) -> dict[str, list[tuple[dict[str, str], float]]] | str:
+def _label(labels: Labels, key: str, default: str | None = None) -> str | None:
+    for name, value in labels:
+        if name == key:
+            return value
+    return default
+
+
+def _series_of_model(series: Series, model_name: str) -> Series | str:
     """Keep the series of the wanted model, or say why there are none."""
-    names_seen = sorted({labels.get("model_name", "") for rows in series.values() for labels, _ in rows})
+    names_seen = sorted(
+        {_label(labels, "model_name", "") or "" for rows in series.values() for labels in rows}
+    )
     if not series:
         # Only cache_config_info was found, and it names no model.
         return "no per-model vllm: series in the text (only vllm:cache_config_info)"
@@ -196,7 +222,13 @@ def _series_of_model(
     chosen = {
         name: kept
         for name, rows in series.items()
-        if (kept := [(labels, value) for labels, value in rows if labels.get("model_name", "") == model_name])
+        if (
+            kept := {
+                labels: value
+                for labels, value in rows.items()
+                if _label(labels, "model_name", "") == model_name
+            }
+        )
     }
     if not chosen:
         if names_seen == [""]:
@@ -209,34 +241,89 @@ def _series_of_model(
     return chosen
 
 
-def _pick_cache_config(
-    configs: list[tuple[tuple[str, str], ...]], engines: set[str | None], model_name: str
-) -> tuple[tuple[str, str], ...]:
-    """cache_config_info is per engine and (in the versions seen) names no model."""
-    candidates = (
-        [c for c in configs if dict(c).get("model_name", model_name) == model_name] if model_name else configs
-    )
-    for config in candidates:
-        if dict(config).get("engine") in engines:
-            return config
-    return candidates[0] if candidates else ()
+@dataclass(frozen=True)
+class _CacheConfigs:
+    """vllm:cache_config_info of the model's engines: one block per engine label, in
+    the versions seen, and no model_name label (one that names another model is left out)."""
+
+    own: dict[str | None, Labels]  # by engine label; None: a block without one
+    shared: Labels  # for an engine without a block of its own
+
+    @staticmethod
+    def of(configs: list[Labels], engines: set[str | None], model_name: str) -> _CacheConfigs:
+        candidates = (
+            [c for c in configs if _label(c, "model_name", model_name) == model_name]
+            if model_name
+            else configs
+        )
+        own: dict[str | None, Labels] = {}
+        for config in candidates:
+            own.setdefault(_label(config, "engine"), config)  # the first one, should an engine have two
+        # A block without an engine label, else the first of an engine of this model,
+        # else the first there is: a guess, but the only block-count figure on hand.
+        shared = own.get(None) or next((c for e, c in own.items() if e in engines), ())
+        return _CacheConfigs(own=own, shared=shared or (candidates[0] if candidates else ()))
+
+    def of_engine(self, engine: str | None) -> Labels:
+        return self.own.get(engine, self.shared)
 
 
-def _finite(rows: Iterable[tuple[dict[str, str], float]]) -> list[float]:
-    return [value for _, value in rows if math.isfinite(value)]
+@dataclass(frozen=True)
+class _EngineKv:
+    """One data-parallel engine's KV cache, as its own gauge and cache_config_info give it."""
+
+    engine: str | None
+    usage: float
+    config: Labels
+    free_blocks: float | None  # None when its cache_config_info gives no block count
 
 
-def _total(chosen: dict[str, list[tuple[dict[str, str], float]]], *names: str) -> float | None:
+def _engine_kv(engine: str | None, usage: float, config: Labels) -> _EngineKv:
+    num_gpu_blocks = _int_label(config, "num_gpu_blocks")
+    free_blocks = None
+    if num_gpu_blocks is not None:
+        # vLLM reports usage as 1 - free / (num_gpu_blocks - 1): one block is the null block.
+        used_fraction = min(max(usage, 0.0), 1.0)
+        free_blocks = max(0.0, (num_gpu_blocks - 1) * (1.0 - used_fraction))
+    return _EngineKv(engine, usage, config, free_blocks)
+
+
+def _usage_by_engine(chosen: Series) -> dict[str | None, float]:
+    """Each engine's KV usage, from the current gauge name if any engine exports it, else the former."""
+    for name in (KV_USAGE, KV_USAGE_OLD):
+        usage: dict[str | None, float] = {}
+        for labels, value in chosen.get(name, {}).items():
+            if math.isfinite(value):
+                engine = _label(labels, "engine")
+                usage[engine] = max(value, usage.get(engine, value))
+        if usage:
+            return usage
+    return {}
+
+
+def _tightest(engines: list[_EngineKv]) -> _EngineKv | None:
+    """The engine that runs out first: the fewest free blocks, else (no block counts) the fullest."""
+    counted = [e for e in engines if e.free_blocks is not None]
+    if counted:
+        return min(counted, key=lambda e: (e.free_blocks, -e.usage, e.engine or ""))
+    return max(engines, key=lambda e: (e.usage, e.engine or ""), default=None)
+
+
+def _finite(rows: Iterable[float]) -> list[float]:
+    return [value for value in rows if math.isfinite(value)]
+
+
+def _total(chosen: Series, *names: str) -> float | None:
     """Sum over engines of the first name present (the current name before the former)."""
     for name in names:
-        values = _finite(chosen.get(name, ()))
+        values = _finite(chosen.get(name, {}).values())
         if values:
             return float(sum(values))
     return None
 
 
-def _int_label(config: dict[str, str], key: str) -> int | None:
-    raw = config.get(key)
+def _int_label(config: Labels, key: str) -> int | None:
+    raw = _label(config, key)
     if raw is None:
         return None
     try:
@@ -250,25 +337,17 @@ def _int_label(config: dict[str, str], key: str) -> int | None:
     return int(number) if math.isfinite(number) and number.is_integer() else None
 
 
-def _build_sample(
-    chosen: dict[str, list[tuple[dict[str, str], float]]],
-    cache_config: tuple[tuple[str, str], ...],
-    model_name: str,
-) -> EngineSample:
-    kv_usage = None
-    for name in (KV_USAGE, KV_USAGE_OLD):
-        values = _finite(chosen.get(name, ()))
-        if values:
-            kv_usage = max(values)
-            break
-
-    config = dict(cache_config)
-    num_gpu_blocks = _int_label(config, "num_gpu_blocks")
-    free_blocks = None
-    if num_gpu_blocks is not None and kv_usage is not None:
-        # vLLM reports usage as 1 - free / (num_gpu_blocks - 1): one block is the null block.
-        used_fraction = min(max(kv_usage, 0.0), 1.0)
-        free_blocks = max(0.0, (num_gpu_blocks - 1) * (1.0 - used_fraction))
+def _build_sample(chosen: Series, configs: list[Labels], model_name: str) -> EngineSample:
+    engine_labels = {_label(labels, "engine") for rows in chosen.values() for labels in rows}
+    cache_configs = _CacheConfigs.of(configs, engine_labels, model_name)
+    per_engine = [
+        _engine_kv(engine, usage, cache_configs.of_engine(engine))
+        for engine, usage in _usage_by_engine(chosen).items()
+    ]
+    kv_usage = max((e.usage for e in per_engine), default=None)
+    tightest = _tightest(per_engine)
+    # The block figures all describe one engine, the one whose free blocks are shown.
+    cache_config = tightest.config if tightest is not None else cache_configs.shared
 
     itl_sum, itl_count = _total(chosen, ITL + "_sum"), _total(chosen, ITL + "_count")
     if itl_sum is None and itl_count is None:
@@ -280,15 +359,16 @@ def _build_sample(
     return EngineSample(
         error=error,
         kv_usage=kv_usage,
-        num_gpu_blocks=num_gpu_blocks,
-        block_size=_int_label(config, "block_size"),
-        free_blocks=free_blocks,
+        num_gpu_blocks=_int_label(cache_config, "num_gpu_blocks"),
+        block_size=_int_label(cache_config, "block_size"),
+        free_blocks=tightest.free_blocks if tightest is not None else None,
+        engines=len(engine_labels),
         running=_total(chosen, RUNNING),
         waiting=_total(chosen, WAITING),
         preemptions_total=_total(chosen, PREEMPTIONS),
         generation_tokens_total=_total(chosen, GENERATION_TOKENS),
         prompt_tokens_total=_total(chosen, PROMPT_TOKENS),
-        kv_cache_size_tokens=_int_label(config, "kv_cache_size_tokens"),
+        kv_cache_size_tokens=_int_label(cache_config, "kv_cache_size_tokens"),
         cache_config=cache_config,
         itl_sum=itl_sum,
         itl_count=itl_count,

@@ -3,6 +3,9 @@
 A frozen EngineCore leaves /health answering 200 and the gauges flat at zero;
 only a real request notices. The probe runs in its own thread so its timeout
 never delays the loop; the loop reads the latest result.
+
+Whatever goes wrong in that thread, it ends by recording a failed sample: a probe
+left "in flight" would never be sent again, and a frozen engine would go unseen.
 """
 
 from __future__ import annotations
@@ -13,6 +16,12 @@ import time
 import requests
 
 from r3090d.model import InferenceProbeSample
+from r3090d.probes.http import engine_session
+
+_MAX_DETAIL = 200
+# The status line arrives once the completion is done; the body is not needed, and
+# not reading it means a server that trickles it cannot hold the probe.
+_HEADERS = {"Connection": "close"}
 
 
 class InferenceProber:
@@ -46,19 +55,48 @@ class InferenceProber:
                 ok=None,
                 consecutive_failures=self._sample.consecutive_failures,
             )
-        threading.Thread(target=self._run, args=(generation,), name="inference-probe", daemon=True).start()
+        try:
+            threading.Thread(
+                target=self._run, args=(generation,), name="inference-probe", daemon=True
+            ).start()
+        except Exception as exc:  # noqa: BLE001 - e.g. no thread to be had: a failed probe, not a stuck one
+            self._finish(generation, False, _short(f"probe not started: {type(exc).__name__}: {exc}"))
 
     def _run(self, generation: int) -> None:
-        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-        body = {"model": self._model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+        ok, detail = False, "the probe ended without an answer"
         try:
-            resp = requests.post(self._url, json=body, headers=headers, timeout=(min(5.0, self._timeout), self._timeout))
-            ok = resp.status_code == 200
-            detail = "" if ok else f"HTTP {resp.status_code}"
-        except requests.Timeout:
-            ok, detail = False, f"no answer within {self._timeout:.0f} s"
-        except requests.RequestException as exc:
-            ok, detail = False, type(exc).__name__
+            ok, detail = self._request()
+        except Exception as exc:  # noqa: BLE001 - any failure is a failed probe
+            ok, detail = False, self._describe(exc)
+        finally:
+            # Also reached on BaseException, with the default failure above.
+            self._finish(generation, ok, detail)
+
+    def _request(self) -> tuple[bool, str]:
+        headers = dict(_HEADERS)
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        body = {"model": self._model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+        timeout = (min(5.0, self._timeout), self._timeout)
+        with engine_session() as session:
+            with session.post(self._url, json=body, headers=headers, timeout=timeout, stream=True) as resp:
+                ok = resp.status_code == 200
+                return ok, "" if ok else f"HTTP {resp.status_code}"
+
+    def _describe(self, exc: Exception) -> str:
+        name = type(exc).__name__
+        if isinstance(exc, requests.Timeout):
+            return f"no answer within {self._timeout:.0f} s ({name})"
+        if isinstance(exc, requests.RequestException):
+            # Their messages can quote the request's headers, the key among them.
+            return name
+        message = str(exc)
+        if self._api_key:
+            for form in (self._api_key, repr(self._api_key)[1:-1]):
+                message = message.replace(form, "<api key>")
+        return _short(f"{name}: {message}")
+
+    def _finish(self, generation: int, ok: bool, detail: str) -> None:
         with self._lock:
             if generation != self._generation:
                 return
@@ -77,3 +115,8 @@ class InferenceProber:
     def sample(self) -> InferenceProbeSample:
         with self._lock:
             return self._sample
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= _MAX_DETAIL else text[: _MAX_DETAIL - 3] + "..."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -377,3 +378,249 @@ def test_metric_like_text_never_raises(text, model):
         assert sample.kv_usage is not None
         if sample.num_gpu_blocks is not None:
             assert sample.free_blocks is not None and sample.free_blocks >= 0
+
+
+# ------------------------------------------- data-parallel engines of unequal size
+
+
+def engine_lines(
+    engine_label: str, blocks: int | None, usage: float, running: int = 0, model: str = MODEL
+) -> str:
+    text = (
+        f'vllm:kv_cache_usage_perc{{engine="{engine_label}",model_name="{model}"}} {usage!r}\n'
+        f'vllm:num_requests_running{{engine="{engine_label}",model_name="{model}"}} {running}\n'
+    )
+    if blocks is not None:
+        text += f'vllm:cache_config_info{{block_size="16",engine="{engine_label}",num_gpu_blocks="{blocks}"}} 1.0\n'
+    return text
+
+
+def test_unequal_engines_report_the_one_with_the_fewest_free_blocks():
+    sample = parse(engine_lines("0", 100, 0.5, running=3) + engine_lines("1", 50, 0.5, running=4), MODEL)
+    assert sample.error is None
+    assert sample.engines == 2
+    assert sample.free_blocks == 49 * 0.5  # engine 1: 24.5 free, engine 0: 49.5
+    assert sample.num_gpu_blocks == 50  # the block figures are the reported engine's
+    assert dict(sample.cache_config)["engine"] == "1"
+    assert sample.kv_usage == 0.5 and sample.running == 7
+
+
+def test_the_fullest_engine_need_not_be_the_one_with_the_fewest_free_blocks():
+    sample = parse(engine_lines("0", 100, 0.6) + engine_lines("1", 50, 0.5), MODEL)
+    assert sample.kv_usage == 0.6  # engine 0 is fuller ...
+    assert sample.free_blocks == 49 * 0.5  # ... but engine 1, the smaller, has fewer free blocks
+    assert sample.num_gpu_blocks == 50
+
+
+def test_an_engine_without_its_own_cache_config_takes_the_shared_one():
+    text = (
+        engine_lines("0", None, 0.5)
+        + engine_lines("1", 50, 0.0)
+        + 'vllm:cache_config_info{block_size="16",num_gpu_blocks="21"} 1.0\n'
+    )
+    sample = parse(text, MODEL)
+    assert sample.free_blocks == 10  # engine 0 on the block without an engine label: 20 x 0.5
+    assert sample.num_gpu_blocks == 21
+
+
+def test_several_engines_without_block_counts_report_the_fullest():
+    sample = parse(engine_lines("0", None, 0.25) + engine_lines("1", None, 0.75), MODEL)
+    assert sample.error is None
+    assert sample.kv_usage == 0.75 and sample.free_blocks is None and sample.num_gpu_blocks is None
+
+
+# -------------------------------------------------------------- repeated series
+
+
+def test_a_repeated_series_counts_once():
+    line = 'vllm:num_requests_running{engine="0",model_name="tiny"} 2.0\n'
+    text = KV_FULL + line
+    assert parse(text, MODEL).running == 2
+
+
+def test_a_repeated_series_takes_its_last_value():
+    later = 'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25\n'
+    sample = parse(KV_FULL + later, MODEL)
+    assert sample.kv_usage == 0.25
+    assert sample.free_blocks == 7 * 0.75
+
+
+def test_a_repeated_series_is_the_same_whatever_its_label_order():
+    text = KV_FULL + 'vllm:num_requests_waiting{model_name="tiny",engine="0"} 5.0\n'
+    assert parse(text, MODEL).waiting == 5
+
+
+# -------------------------------------------------------------- oversized lines
+
+PAD = "a" * (engine.MAX_LINE_CHARS + 1)
+
+
+def test_an_oversized_label_drops_that_series_alone():
+    text = KV_FULL + f'vllm:num_requests_running{{engine="1",model_name="tiny",note="{PAD}"}} 40.0\n'
+    sample = parse(text, MODEL)
+    assert sample.error is None
+    assert sample.running == 2 and sample.engines == 1
+    assert sample.kv_usage == 1.0 and sample.preemptions_total == 2
+
+
+def test_an_oversized_malformed_line_is_skipped_not_an_error():
+    text = f'vllm:num_requests_running{{engine="1",model_name="tiny",note="{PAD}\\"}} x\n' + KV_FULL
+    sample = parse(text, MODEL)
+    assert sample.error is None and sample.running == 2
+
+
+def test_an_oversized_label_full_of_escapes_is_not_parsed(monkeypatch):
+    # prometheus_client takes seconds on a 1 MB block like this one; it must never see it.
+    block = '{engine="1",model_name="tiny",note="' + '\\"' * (1024 * 1024) + '"}'
+    seen: list[int] = []
+    real = engine._parse_label_block
+
+    def spy(text: str):
+        seen.append(len(text))
+        return real(text)
+
+    monkeypatch.setattr(engine, "_parse_label_block", spy)
+    sample = parse(KV_FULL + "vllm:num_requests_running" + block + " 40.0\n", MODEL)
+    assert sample.running == 2
+    assert seen and max(seen) < engine.MAX_LINE_CHARS
+
+
+def test_an_oversized_kv_gauge_leaves_the_kv_rules_blind_but_the_rest_readable():
+    text = KV_FULL.replace(
+        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 1.0',
+        f'vllm:kv_cache_usage_perc{{engine="0",model_name="tiny",note="{PAD}"}} 1.0',
+    )
+    assert text != KV_FULL
+    sample = parse(text, MODEL)
+    assert sample.error is not None and "KV-cache usage" in sample.error
+    assert sample.running == 2 and sample.num_gpu_blocks == 8
+
+
+def test_a_line_at_the_limit_is_read():
+    head = 'vllm:num_requests_running{engine="1",model_name="tiny",note="'
+    tail = '"} 40.0'
+    line = head + "a" * (engine.MAX_LINE_CHARS - len(head) - len(tail)) + tail
+    assert len(line) == engine.MAX_LINE_CHARS
+    assert parse(KV_FULL + line + "\n", MODEL).running == 42
+
+
+# ------------------------------------------- property: engines, repeats, oversized
+
+
+@dataclass(frozen=True)
+class Line:
+    """One sample line as the generator writes it, and what the reference needs of it."""
+
+    name: str
+    engine: str
+    value: float
+    oversized: bool = False
+    flipped: bool = False  # labels written in another order: still the same series
+
+    def text(self) -> str:
+        pair = [f'engine="{self.engine}"', f'model_name="{MODEL}"']
+        labels = ",".join(reversed(pair) if self.flipped else pair)
+        if self.oversized:
+            labels += f',note="{PAD}"'
+        return f"{self.name}{{{labels}}} {self.value!r}\n"
+
+
+@dataclass(frozen=True)
+class Engine:
+    label: str
+    blocks: int
+    usage: float
+    running: int
+    waiting: int
+
+
+def config_line(e: Engine) -> str:
+    return f'vllm:cache_config_info{{block_size="16",engine="{e.label}",num_gpu_blocks="{e.blocks}"}} 1.0\n'
+
+
+def reference(engines: list[Engine], lines: list[Line]) -> dict[str, float | int | None]:
+    """What parse() must say, worked out the plain way: last value of each series, then per engine."""
+    last: dict[tuple[str, str], float] = {}
+    for line in lines:
+        if not line.oversized:
+            last[(line.name, line.engine)] = line.value
+    blocks = {e.label: e.blocks for e in engines}
+    usage = {eng: v for (name, eng), v in last.items() if name == "vllm:kv_cache_usage_perc"}
+    free = {eng: (blocks[eng] - 1) * (1 - min(max(u, 0.0), 1.0)) for eng, u in usage.items()}
+    fewest = min(free, key=lambda eng: (free[eng], -usage[eng], eng)) if free else None
+    return {
+        "free_blocks": free[fewest] if fewest is not None else None,
+        "num_gpu_blocks": blocks[fewest] if fewest is not None else None,
+        "kv_usage": max(usage.values()) if usage else None,
+        "running": sum(v for (name, _), v in last.items() if name == "vllm:num_requests_running"),
+        "waiting": sum(v for (name, _), v in last.items() if name == "vllm:num_requests_waiting"),
+        "engines": len({eng for _, eng in last}),
+    }
+
+
+usage_value = st.floats(min_value=0.0, max_value=1.0)
+engine_spec = st.builds(
+    Engine,
+    label=st.just(""),
+    blocks=st.integers(min_value=2, max_value=200_000),
+    usage=usage_value,
+    running=st.integers(min_value=0, max_value=64),
+    waiting=st.integers(min_value=0, max_value=64),
+)
+
+
+@st.composite
+def data_parallel_metrics(draw) -> tuple[list[Engine], list[Line], str]:
+    specs = draw(st.lists(engine_spec, min_size=1, max_size=6))
+    engines = [Engine(str(i), e.blocks, e.usage, e.running, e.waiting) for i, e in enumerate(specs)]
+    lines = [
+        Line(name, e.label, value)
+        for e in engines
+        for name, value in (
+            ("vllm:kv_cache_usage_perc", e.usage),
+            ("vllm:num_requests_running", float(e.running)),
+            ("vllm:num_requests_waiting", float(e.waiting)),
+        )
+    ]
+    # Repeats of a series, with another value, sometimes with the labels in another order.
+    for index, value, flipped in draw(
+        st.lists(st.tuples(st.integers(0, len(lines) - 1), usage_value, st.booleans()), max_size=6)
+    ):
+        line = lines[index]
+        value = value if "usage" in line.name else float(round(value * 64))
+        lines.append(Line(line.name, line.engine, value, flipped=flipped))
+    # Oversized lines that would change every answer if they were read.
+    for name, engine_label in draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["vllm:kv_cache_usage_perc", "vllm:num_requests_running"]),
+                st.sampled_from([e.label for e in engines] + ["99"]),
+            ),
+            max_size=3,
+        )
+    ):
+        lines.append(Line(name, engine_label, 1.0 if "usage" in name else 1000.0, oversized=True))
+    lines = draw(st.permutations(lines))
+    # Engine 99 exists only in oversized lines; its 2 blocks would be the fewest free if they were read.
+    configs = "".join(config_line(e) for e in engines) + config_line(Engine("99", 2, 0, 0, 0))
+    return engines, lines, configs + "".join(line.text() for line in lines)
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data_parallel_metrics())
+def test_data_parallel_engines_against_a_reference(case):
+    engines, lines, text = case
+    sample = parse(text, MODEL)
+    assert sample.error is None, sample.error
+    expected = reference(engines, lines)
+    assert sample.engines == expected["engines"]
+    assert sample.kv_usage == expected["kv_usage"]
+    assert sample.free_blocks == pytest.approx(expected["free_blocks"], rel=1e-12, abs=1e-9)
+    assert sample.num_gpu_blocks == expected["num_gpu_blocks"]
+    assert dict(sample.cache_config)["num_gpu_blocks"] == str(expected["num_gpu_blocks"])
+    assert sample.running == expected["running"] and sample.waiting == expected["waiting"]
