@@ -555,6 +555,7 @@ class Daemon:
             "give_up_reason": st.give_up_reason,
             "xid_seen": list(st.xid_seen),
             "health": plain(snap.health),
+            "inference": self._probe_report(snap),
             "metrics": plain(snap.engine),
             "gpu": plain(snap.gpu),
             "alerts": {"firing": firing, "silenced": {k: u + off for k, u in st.alerts.silenced}},
@@ -567,6 +568,18 @@ class Daemon:
             write_json_atomic(self.state_path, doc)
         except OSError as exc:
             log.error("cannot write %s: %s", self.state_path, exc)
+
+    def _probe_report(self, snap: Snapshot) -> dict:
+        """The last finished inference probe, in wall time: for the exporter's latency gauge and status."""
+        inf = snap.inference
+        finished = inf.finished_at is not None and inf.sent_at is not None and inf.finished_at >= inf.sent_at
+        return {
+            "ok": inf.ok,
+            "latency_s": round(inf.finished_at - inf.sent_at, 4) if finished else None,
+            "finished_at": inf.finished_at + self.offset if finished else None,
+            "detail": inf.detail,
+            "consecutive_failures": inf.consecutive_failures,
+        }
 
     def next_action(self, st: policy.PolicyState, snap: Snapshot) -> str | None:
         if st.phase is Phase.BACKOFF and st.next_start_at is not None:

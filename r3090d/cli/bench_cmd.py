@@ -235,20 +235,32 @@ def plot(result: dict, path: str) -> None:
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=300.0, show_default=True, help="seconds per request")
 @click.option("--model-dir", help="model directory (or config.json) for the TPOT floor and MBU")
 @click.option("--bandwidth-gbs", type=click.FloatRange(min=0.1), help="memory bandwidth (decimal GB/s) for MBU (default: NVML card profile)")
-@click.option("--json", "json_path", metavar="FILE", help="write the results as JSON ('-' for stdout)")
+@click.option(
+    "--json", "json_path", is_flag=False, flag_value="-", default=None, metavar="",
+    help="print the results as JSON on stdout instead of the table (--json FILE: as --output FILE)",
+)
+@click.option("--output", "output_path", metavar="FILE", help="also write the results as JSON to FILE")
 @click.option("--plot", "plot_path", metavar="FILE.png", help="draw TPOT and throughput against concurrency (needs matplotlib)")
 @click.option("--progress/--no-progress", default=None, help="progress bar on stderr (default: when stderr is a terminal)")
 def bench_command(
     url, model, config_path, instance, levels, requests_per_round, prompt_tokens, max_tokens, warmup, rounds,
-    api_key_env, chat, no_ignore_eos, timeout_s, model_dir, bandwidth_gbs, json_path, plot_path, progress,
+    api_key_env, chat, no_ignore_eos, timeout_s, model_dir, bandwidth_gbs, json_path, output_path, plot_path, progress,
 ) -> int:  # fmt: skip
     """Stream requests at each concurrency level; report TTFT, TPOT, ITL percentiles, throughput and MBU."""
     _check_plot_backend(plot_path)
     cfg = None
     if config_path or os.environ.get("R3090D_CONFIG"):
         from r3090d.cli.common import load_config
+        from r3090d.config import ConfigError
 
-        cfg = load_config(config_path, instance, check_files=True)
+        try:
+            cfg = load_config(config_path, instance, check_files=True)
+        except ConfigError as exc:
+            if not url:
+                raise
+            # With --url the config only lends defaults (API key, model name):
+            # one that is not finished yet must not stop a measurement.
+            click.echo(f"r3090ctl bench: not using the config: {exc.one_line()}", err=True)
     base = (url or (cfg.engine_url if cfg else "http://127.0.0.1:8000")).rstrip("/")
     if base.endswith("/v1"):
         base = base[: -len("/v1")]
@@ -305,24 +317,25 @@ def bench_command(
         },
         "started_at": time.time() - wall,
     }
-    if json_path != "-":
+    to_stdout = json_path == "-"
+    files = [p for p in (output_path, None if to_stdout else json_path) if p]
+    text = json.dumps(result, indent=2, sort_keys=True)
+    if to_stdout:
+        click.echo(text)
+    else:
         render(result)
-    if json_path:
-        text = json.dumps(result, indent=2, sort_keys=True)
-        if json_path == "-":
-            click.echo(text)
-        else:
-            try:
-                with open(json_path, "w", encoding="utf-8") as fh:
-                    fh.write(text + "\n")
-            except OSError as exc:
-                raise BenchExit(f"cannot write {json_path}: {exc.strerror or exc}", exitcodes.USAGE) from None
+    for path in files:
+        try:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+        except OSError as exc:
+            raise BenchExit(f"cannot write {path}: {exc.strerror or exc}", exitcodes.USAGE) from None
     if plot_path:
         try:
             plot(result, plot_path)
         except OSError as exc:
             raise BenchExit(f"cannot write {plot_path}: {exc.strerror or exc}", exitcodes.USAGE) from None
-        click.echo(f"plot: {plot_path}")
+        click.echo(f"plot: {plot_path}", err=to_stdout)  # stdout holds only the JSON
     failed = sum(lv.failed for lv in level_results)
     return exitcodes.WARNING if failed else exitcodes.OK
 

@@ -206,25 +206,23 @@ instance_option = click.option(
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 
-# The options r3090ctl takes before the subcommand too, by their parameter names.
-GLOBAL_PARAMS = ("config_path", "instance", "as_json")
-
-
 def subcommand_defaults(group: click.Group, given: dict[str, object]) -> dict[str, dict]:
     """A click default_map that hands the group's options to every subcommand that has them.
 
-    `r3090ctl --config F status` then means `r3090ctl status --config F`; an
-    option given after the subcommand still wins. A `--json` that takes an
-    optional value (bench's `--json [FILE]`) gets its flag value, not True.
+    given: option flag -> value, e.g. {"--config": "F"}. `r3090ctl --config F
+    status` then means `r3090ctl status --config F`; an option given after the
+    subcommand still wins. A --json that takes an optional value (bench's
+    `--json [FILE]`) gets its flag value, not True.
     """
     tree: dict[str, dict] = {}
     for name, command in group.commands.items():
         entry: dict[str, object] = {}
         for param in command.params:
-            if param.name not in given:
+            flag = next((opt for opt in param.opts if opt in given), None)
+            if flag is None or param.name is None:
                 continue
-            value = given[param.name]
-            if param.name == "as_json" and isinstance(param, click.Option) and not param.is_flag and isinstance(param.flag_value, str):
+            value = given[flag]
+            if isinstance(param, click.Option) and value is True and not param.is_flag and isinstance(param.flag_value, str):
                 value = param.flag_value
             entry[param.name] = value
         if isinstance(command, click.Group):
@@ -249,7 +247,7 @@ def ctl(ctx: click.Context, config_path: str | None, instance: int | None, as_js
 
     --config, --instance and --json may come before the subcommand or after it.
     """
-    values = {"config_path": config_path, "instance": instance, "as_json": as_json}
-    given = {name: value for name, value in values.items() if value not in (None, False)}
+    values = {"--config": config_path, "--instance": instance, JSON_FLAG: as_json}
+    given = {flag: value for flag, value in values.items() if value is not None and value is not False}
     if given:
         ctx.default_map = subcommand_defaults(ctx.command, given)

@@ -17,7 +17,16 @@ import click
 import psutil
 
 from r3090d import control, exitcodes, statusview
-from r3090d.cli.common import CommandError, HealthCommand, config_option, ctl, emit_json, instance_option, load_config, reader_gone
+from r3090d.cli.common import (
+    CommandError,
+    HealthCommand,
+    config_option,
+    ctl,
+    emit_json,
+    instance_option,
+    load_config,
+    reader_gone,
+)
 from r3090d.config import ConfigError
 from r3090d.exporter import stale_after
 from r3090d.state import STATE_FILE
