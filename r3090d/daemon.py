@@ -22,7 +22,7 @@ from pathlib import Path
 from r3090d import __version__, exitcodes, forensics, policy, safedir
 from r3090d import argv as argvmod
 from r3090d import config as configmod
-from r3090d.config import Config, ConfigError
+from r3090d.config import MIB, Config, ConfigError
 from r3090d.control import start_plane
 from r3090d.effectors.child import DRAIN_MARGIN_S, EngineProcess
 from r3090d.effectors.systemd import Notifier
@@ -556,6 +556,10 @@ class Daemon:
             "xid_seen": list(st.xid_seen),
             "health": plain(snap.health),
             "inference": self._probe_report(snap),
+            "thresholds": {
+                "gpu_memory_alert_bytes": self.cfg.watchdog.gpu_memory_alert_mib * MIB,
+                "kv_min_free_blocks": self.cfg.watchdog.min_free_blocks,
+            },
             "metrics": plain(snap.engine),
             "gpu": plain(snap.gpu),
             "alerts": {"firing": firing, "silenced": {k: u + off for k, u in st.alerts.silenced}},

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tomllib
 from pathlib import Path
 
 import click
@@ -19,6 +20,7 @@ from r3090d import exitcodes
 from r3090d import plan as planmod
 from r3090d.cards import CARDS, card_for_name
 from r3090d.cli.common import UsageExit, config_option, ctl, emit_json, instance_option, load_config
+from r3090d.config import ConfigError
 from r3090d.model import GpuStatus
 from r3090d.plan import GB, GIB, MIB, PlanError
 
@@ -127,13 +129,28 @@ def _extra_arg(extra_args: list, flag: str) -> str | None:
     return None
 
 
-def _maybe_config(config_path, instance):
-    """The config when one was named or the default file exists; None otherwise."""
+def _maybe_config(config_path, instance, model_path: str | None):
+    """The config when one was named or the default file exists; None otherwise.
+
+    A config written before the model was chosen (a fresh install's, with no
+    engine.model) still lends its profiles and GPU when --model names the model.
+    """
     explicit = config_path or os.environ.get(configmod.ENV_CONFIG)
     path = configmod.resolve_path(config_path, instance)
     if not explicit and not path.exists():
         return None
-    return load_config(config_path, instance, check_files=False)
+    try:
+        return load_config(config_path, instance, check_files=False)
+    except ConfigError as exc:
+        if not model_path or exc.key != "engine.model":
+            raise
+    if instance is None:
+        instance = configmod.instance_from_env()
+    path = configmod.resolve_path(config_path, instance)
+    data = tomllib.loads(path.read_text(encoding="utf-8"))  # load() above has read and parsed it
+    engine = data.get("engine") if isinstance(data.get("engine"), dict) else {}
+    data["engine"] = {**engine, "model": str(model_path)}
+    return configmod.from_dict(data, path, instance, check_files=False)
 
 
 def read_engine_cache(url: str, timeout: float = 5.0, model_name: str = ""):
@@ -295,7 +312,7 @@ def plan_command(
     overhead_gib, url, as_json,
 ) -> int:  # fmt: skip
     """Predict KV cache blocks, tokens, concurrency and the TPOT floor for a model on a card."""
-    cfg = _maybe_config(config_path, instance)
+    cfg = _maybe_config(config_path, instance, model_path)
     extra = list(cfg.engine.extra_args) if cfg else []
     model_path = model_path or (cfg.engine.model if cfg else None)
     if not model_path:

@@ -470,8 +470,9 @@ def test_an_oversized_malformed_line_is_skipped_not_an_error():
 
 
 def test_an_oversized_label_full_of_escapes_is_not_parsed(monkeypatch):
-    # prometheus_client takes seconds on a 1 MB block like this one; it must never see it.
-    block = '{engine="1",model_name="tiny",note="' + '\\"' * (1024 * 1024) + '"}'
+    # prometheus_client's time on a block of escapes grows with the square of its
+    # length (seconds at 1 MB): a block over the limit must never reach it.
+    block = '{engine="1",model_name="tiny",note="' + '\\"' * (engine.MAX_LINE_CHARS // 2 + 1) + '"}'
     seen: list[int] = []
     real = engine._parse_label_block
 
