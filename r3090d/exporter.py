@@ -1,12 +1,21 @@
-"""The Prometheus exporter and /healthz, both read from the daemon's latest state document.
+"""The Prometheus exporter, /healthz and /livez, all read from the daemon's latest state document.
 
-`/metrics` is prometheus_client's exposition of one custom collector: collect()
-builds every family from the latest state document, so a scrape never touches
-the engine, NVML or the loop. `/healthz` answers 200 only while the engine is
-ready, its last /health was OK, the daemon is not in maintenance and its state
-is fresh; otherwise 503 with a one-line reason. A load balancer that checks it
-takes the node out when a drained restart starts: the policy holds the engine's
-SIGTERM for watchdog.lb_grace after publishing DRAINING.
+`/metrics` is prometheus_client's exposition of a custom collector: collect()
+builds every r3090d family from the latest state document, so a scrape never
+touches the engine, NVML or the loop; prometheus_client's ProcessCollector adds
+the daemon's own CPU, memory and file descriptors. Points in time are Unix
+timestamps (`*_timestamp_seconds`), so a rule computes ages with time() and a
+sample does not change between two scrapes of one document.
+
+`/healthz` answers 200 only while the engine is ready, its last /health was OK,
+the daemon is not in maintenance and its state is fresh; otherwise 503 with a
+one-line reason. A load balancer that checks it takes the node out when a
+drained restart starts: the policy holds the engine's SIGTERM for
+watchdog.lb_grace after publishing DRAINING.
+
+`/livez` answers 200 while the daemon's loop ticks, whatever the engine does
+(starting, in maintenance, given up), and 503 once the state has gone stale: a
+liveness probe restarts the supervisor only when the supervisor itself is stuck.
 
 The tick-duration histogram and the XID counter are kept by TickStats, which
 the loop feeds once per tick; its numbers travel in the state document too.
@@ -27,11 +36,11 @@ from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
 
-from r3090d.policy import Phase
+from r3090d.model import Phase, RestartReason
 
 log = logging.getLogger("r3090d.exporter")
 
@@ -48,7 +57,25 @@ LISTEN_BACKLOG = 128
 ACCEPT_PAUSE_S = 0.1  # out of file descriptors with no connection to give up
 # Every reason the policy restarts for, exported at 0 from the start so that
 # increase() sees the first restart of each (a new series starts unseen).
-RESTART_REASONS = ("requested", "exited", "spawn_failed", "startup_timeout", "dead", "hung", "stalled", "kv")
+RESTART_REASONS = tuple(r.value for r in RestartReason)
+PHASES = tuple(p.value for p in Phase)
+# NVML's clock event (throttle) reasons, as probes.nvml.clock_reason_table names
+# them, in bit order: each is exported, 0 when absent, so a panel or a rule sees
+# a reason start rather than a series appear. A reason the probe reports that is
+# not listed here (a newer driver's, or unknown_0x...) is exported at 1 all the same.
+CLOCK_EVENT_REASONS = (
+    "gpu_idle",
+    "applications_clocks_setting",
+    "sw_power_cap",
+    "hw_slowdown",
+    "sync_boost",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+    "display_clock_setting",
+    "board_limit",
+    "reliability",
+)
 
 
 class TickStats:
@@ -89,13 +116,33 @@ def stale_after(doc: dict) -> float:
     return max(STALE_MIN_S, STALE_POLLS * float(poll))
 
 
+NO_STATE = "r3090d is starting: no state yet"
+
+
+def _stale(doc: dict, now: float) -> str | None:
+    """Why the daemon's loop must be stuck (its state is older than stale_after), or None."""
+    age = now - float(doc.get("written_at") or 0)
+    bound = stale_after(doc)
+    if age > bound:
+        return f"r3090d state is {age:.0f} s old (stale after {bound:.0f} s): the daemon loop is stuck"
+    return None
+
+
+def livez(doc: dict | None, now: float) -> tuple[int, str]:
+    """(200, "alive") while the loop ticks, else (503, why): pure. What the engine does is not its concern."""
+    if not doc:
+        return 503, NO_STATE
+    stuck = _stale(doc, now)
+    return (503, stuck) if stuck else (200, "alive")
+
+
 def healthz(doc: dict | None, now: float) -> tuple[int, str]:
     """(200, "ready") or (503, why): pure, from the state document and the wall clock."""
     if not doc:
-        return 503, "r3090d is starting: no state yet"
-    age = now - float(doc.get("written_at") or 0)
-    if age > stale_after(doc):
-        return 503, f"r3090d state is {age:.0f} s old: the daemon loop is stuck"
+        return 503, NO_STATE
+    stuck = _stale(doc, now)
+    if stuck:
+        return 503, stuck
     engine = doc.get("engine") or {}
     phase = engine.get("phase")
     if phase != Phase.READY.value:
@@ -138,21 +185,24 @@ def families(doc: dict | None, now: float) -> list:
     restarts = doc.get("restarts") or {}
     alerts = doc.get("alerts") or {}
     telemetry = doc.get("telemetry") or {}
+    thresholds = doc.get("thresholds") or {}  # absent from an older daemon's document
+    inference = doc.get("inference") or {}
     phase = engine.get("phase")
 
-    info = GaugeMetricFamily("r3090d_info", "r3090d and the model it serves", labels=["version", "model", "instance"])
+    # Not `instance`: Prometheus sets that label to the target, and would rename ours exported_instance.
+    info = GaugeMetricFamily("r3090d_info", "r3090d and the model it serves", labels=["version", "model", "unit_instance"])
     inst = daemon.get("instance")
     info.add_metric([str(daemon.get("version") or ""), str(engine.get("model") or ""), "" if inst is None else str(inst)], 1.0)
     out.append(info)
-    gauge("r3090d_state_age_seconds", "seconds since the daemon last wrote its state", max(0.0, now - float(doc.get("written_at") or now)))
+    gauge("r3090d_state_written_timestamp_seconds", "Unix time the daemon last wrote its state (once per tick)", doc.get("written_at"))
     gauge("r3090d_engine_up", "1 when the engine is ready", 1 if phase == Phase.READY.value else 0)
     states = GaugeMetricFamily("r3090d_engine_state", "the engine's phase, one-hot", labels=["state"])
-    for p in Phase:
-        states.add_metric([p.value], 1.0 if phase == p.value else 0.0)
+    for p in PHASES:
+        states.add_metric([p], 1.0 if phase == p else 0.0)
     out.append(states)
     gauge("r3090d_maintenance", "1 while maintenance mode pauses remediation", 1 if engine.get("maintenance") else 0)
     ready_since = engine.get("ready_since")
-    gauge("r3090d_engine_ready_seconds", "seconds since the engine became ready", max(0.0, now - ready_since) if phase == Phase.READY.value and ready_since else None)
+    gauge("r3090d_engine_ready_timestamp_seconds", "Unix time the engine became ready (absent while not ready)", ready_since if phase == Phase.READY.value and ready_since else None)
 
     counter = CounterMetricFamily("r3090d_restarts", "engine restarts since the daemon started, by reason", labels=["reason"])
     by_reason = {reason: 0 for reason in RESTART_REASONS} | dict(restarts.get("by_reason") or {})
@@ -162,21 +212,31 @@ def families(doc: dict | None, now: float) -> list:
     gauge("r3090d_restart_backoff_level", "consecutive restarts without a stable period", restarts.get("backoff_level"))
 
     gauge("r3090d_kv_free_blocks", "free KV cache blocks: (num_gpu_blocks - 1) x (1 - usage)", metrics.get("free_blocks"))
+    gauge("r3090d_kv_free_blocks_threshold", "the KV rule's bound (watchdog.min_free_blocks): fewer free blocks than this is low", thresholds.get("kv_min_free_blocks"))
     gauge("r3090d_kv_usage_ratio", "vLLM's KV cache usage, 0..1", metrics.get("kv_usage"))
     gauge("r3090d_kv_total_blocks", "KV cache blocks vLLM allocated", metrics.get("num_gpu_blocks"))
     gauge("r3090d_requests_running", "requests the engine is running", metrics.get("running"))
     gauge("r3090d_requests_waiting", "requests waiting in the engine's queue", metrics.get("waiting"))
+    gauge("r3090d_inference_probe_latency_seconds", "how long the last finished inference probe took", inference.get("latency_s"))
+    gauge("r3090d_inference_probe_timestamp_seconds", "Unix time the last inference probe finished", inference.get("finished_at"))
 
     usable = gpu.get("status") == "ok"
     gauge("r3090d_gpu_lost", "1 when NVML reports the GPU lost (reboot needed)", 1 if gpu.get("lost") or gpu.get("status") == "lost" else 0)
     gauge("r3090d_gpu_memory_used_bytes", "GPU memory used (NVML v2, without driver-reserved)", gpu.get("memory_used") if usable else None)
     gauge("r3090d_gpu_memory_total_bytes", "GPU memory in total", gpu.get("memory_total") if usable else None)
+    gauge("r3090d_gpu_memory_alert_threshold_bytes", "GPU memory used above which r3090d alerts (watchdog.gpu_memory_alert_mib)", thresholds.get("gpu_memory_alert_bytes"))
     util = gpu.get("utilization_gpu")
     gauge("r3090d_gpu_utilization_ratio", "GPU utilization, 0..1", util / 100.0 if usable and util is not None else None)
     gauge("r3090d_gpu_temperature_celsius", "GPU temperature", gpu.get("temperature_c") if usable else None)
     gauge("r3090d_gpu_power_watts", "GPU power draw", gpu.get("power_w") if usable else None)
     gauge("r3090d_gpu_power_limit_watts", "GPU power limit", gpu.get("power_limit_w") if usable else None)
     gauge("r3090d_gpu_pcie_link_width", "current PCIe link width (lanes)", gpu.get("pcie_width") if usable else None)
+    clocks = GaugeMetricFamily("r3090d_gpu_clock_event_reason", "1 for each reason NVML gives for holding the clocks down (throttling), 0 for the others", labels=["reason"])
+    present = gpu.get("clock_event_reasons") if usable else None
+    if present is not None:
+        for reason in CLOCK_EVENT_REASONS + tuple(r for r in present if r not in CLOCK_EVENT_REASONS):
+            clocks.add_metric([reason], 1.0 if reason in present else 0.0)
+    out.append(clocks)
     xid = CounterMetricFamily("r3090d_xid_errors", "XID critical-error events seen since the daemon started")
     xid.add_metric([], float(telemetry.get("xid_errors_total") or 0))
     out.append(xid)
@@ -188,7 +248,7 @@ def families(doc: dict | None, now: float) -> list:
         entry = firing.get(key) or book.get(key) or {}
         fam.add_metric([key, str(entry.get("severity") or "warning")], 1.0 if key in firing else 0.0)
     out.append(fam)
-    silenced = GaugeMetricFamily("r3090d_alert_silenced_until_seconds", "unix time until which an alert's notifications are silenced", labels=["alert"])
+    silenced = GaugeMetricFamily("r3090d_alert_silenced_until_timestamp_seconds", "Unix time until which an alert's notifications are silenced", labels=["alert"])
     for key, until in sorted((alerts.get("silenced") or {}).items()):
         if until and until > now:
             silenced.add_metric([key], float(until))
@@ -544,17 +604,18 @@ class _HttpServer:
             pass
 
 
-INDEX_PAGE = b'<html><body><a href="/metrics">/metrics</a> <a href="/healthz">/healthz</a></body></html>\n'
+INDEX_PAGE = b'<html><body><a href="/metrics">/metrics</a> <a href="/healthz">/healthz</a> <a href="/livez">/livez</a></body></html>\n'
 
 
 class Exporter:
-    """HTTP on host:port: /metrics, /healthz, and a tiny index."""
+    """HTTP on host:port: /metrics, /healthz, /livez, and a tiny index."""
 
     def __init__(self, host: str, port: int, get_doc, *, clock=time.time):
         self.host = host
         self.port = port
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StateCollector(get_doc, clock))
+        ProcessCollector(registry=self.registry)  # /proc/self: the exporter runs inside the daemon
         self._get_doc = get_doc
         self._clock = clock
         self._server: _HttpServer | None = None
@@ -563,7 +624,7 @@ class Exporter:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         self._server = _HttpServer(self.host, self.port, family, self.respond)
         self.port = self._server.start()
-        log.info("exporter on http://%s:%d (/metrics, /healthz)", self.host if family == socket.AF_INET else f"[{self.host}]", self.port)
+        log.info("exporter on http://%s:%d (/metrics, /healthz, /livez)", self.host if family == socket.AF_INET else f"[{self.host}]", self.port)
         return self
 
     def stop(self) -> None:
@@ -579,10 +640,13 @@ class Exporter:
             elif request.path == "/healthz":
                 code, why = healthz(self._get_doc(), self._clock())
                 reply = text_reply(code, why)
+            elif request.path == "/livez":
+                code, why = livez(self._get_doc(), self._clock())
+                reply = text_reply(code, why)
             elif request.path == "/":
                 reply = HttpReply(200, "text/html", INDEX_PAGE)
             else:
-                reply = text_reply(404, "not found: try /metrics or /healthz")
+                reply = text_reply(404, "not found: try /metrics, /healthz or /livez")
         except Exception:
             log.exception("exporter: %s failed", request.path)
             reply = text_reply(500, "internal error")

@@ -132,22 +132,35 @@ def _extra_arg(extra_args: list, flag: str) -> str | None:
 def _maybe_config(config_path, instance, model_path: str | None):
     """The config when one was named or the default file exists; None otherwise.
 
-    A config written before the model was chosen (a fresh install's, with no
-    engine.model) still lends its profiles and GPU when --model names the model.
+    With --model the config only lends defaults (profiles, the GPU), so one
+    written before the model was chosen (a fresh install's, with no
+    engine.model) still serves, and a broken default file that nobody named is
+    reported and left out rather than stopping the plan.
     """
     explicit = config_path or os.environ.get(configmod.ENV_CONFIG)
     path = configmod.resolve_path(config_path, instance)
     if not explicit and not path.exists():
         return None
     try:
-        return load_config(config_path, instance, check_files=False)
+        try:
+            return load_config(config_path, instance, check_files=False)
+        except ConfigError as exc:
+            if not model_path or exc.key != "engine.model":
+                raise
+        return _config_with_model(config_path, instance, model_path)
     except ConfigError as exc:
-        if not model_path or exc.key != "engine.model":
+        if not model_path or explicit:
             raise
+        click.echo(f"r3090ctl plan: not using {path}: {exc.one_line()}", err=True)
+        return None
+
+
+def _config_with_model(config_path, instance, model_path: str):
+    """The config with --model standing in for its missing engine.model."""
     if instance is None:
         instance = configmod.instance_from_env()
     path = configmod.resolve_path(config_path, instance)
-    data = tomllib.loads(path.read_text(encoding="utf-8"))  # load() above has read and parsed it
+    data = tomllib.loads(path.read_text(encoding="utf-8"))  # load() has just read and parsed it
     engine = data.get("engine") if isinstance(data.get("engine"), dict) else {}
     data["engine"] = {**engine, "model": str(model_path)}
     return configmod.from_dict(data, path, instance, check_files=False)

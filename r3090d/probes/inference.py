@@ -19,6 +19,7 @@ from r3090d.model import InferenceProbeSample
 from r3090d.probes.http import engine_session
 
 _MAX_DETAIL = 200
+OVERDUE_MARGIN_S = 2.0
 # The status line arrives once the completion is done; the body is not needed, and
 # not reading it means a server that trickles it cannot hold the probe.
 _HEADERS = {"Connection": "close"}
@@ -113,7 +114,23 @@ class InferenceProber:
             self._wake.set()
 
     def sample(self) -> InferenceProbeSample:
+        """The latest result. A probe still in flight past its timeout plus a margin is
+        failed here: a DNS lookup or a header trickle is not bounded by the request's own
+        timeouts, and a probe stuck in flight would switch frozen-engine detection off."""
+        now = time.monotonic()
         with self._lock:
+            prev = self._sample
+            overdue = self._in_flight and prev.sent_at is not None and now - prev.sent_at > self._timeout + OVERDUE_MARGIN_S
+            if overdue:
+                self._generation += 1  # the stuck thread's late answer is ignored
+                self._in_flight = False
+                self._sample = InferenceProbeSample(
+                    sent_at=prev.sent_at,
+                    finished_at=now,
+                    ok=False,
+                    detail=f"no answer within {self._timeout:.0f} s (the request outlived its timeout)",
+                    consecutive_failures=prev.consecutive_failures + 1,
+                )
             return self._sample
 
 

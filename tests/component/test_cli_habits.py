@@ -147,7 +147,7 @@ def test_output_into_a_closed_pipe_exits_quietly(config, as_json):
 
 def test_head_of_the_json_output(config):
     shell = subprocess.run(
-        ["bash", "-o", "pipefail", "-c", f'"$@" | head -c 10 >/dev/null', "sh", *CTL, "config", "check", "--json", "--config", str(config)],
+        ["bash", "-o", "pipefail", "-c", '"$@" | head -c 10 >/dev/null', "sh", *CTL, "config", "check", "--json", "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -177,9 +177,19 @@ def test_plan_with_a_model_needs_no_engine_model_in_the_config(tmp_path):
         assert json.loads(out.stdout)["model"]["num_layers"] == 28
 
 
-def test_plan_with_no_config_file_at_all(tmp_path):
+def test_plan_with_a_model_and_no_config_named(tmp_path):
+    # Whatever the default file is here (absent, a fresh install's, broken), --model is enough.
     out = run("plan", "--model", QWEN_CONFIG, "--gpu-memory-gib", 24, "--bandwidth-gbs", 936, "--json")
     assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout)["model"]["num_layers"] == 28
+
+
+def test_a_named_broken_config_still_stops_plan(tmp_path):
+    cfg = tmp_path / "r3090d.toml"
+    cfg.write_text("[engine]\nno_such_key = 1\n")
+    out = run("plan", "--model", QWEN_CONFIG, "--gpu-memory-gib", 24, "--bandwidth-gbs", 936, "--config", cfg)
+    assert out.returncode == 78, out.stdout + out.stderr
+    assert "engine.no_such_key" in out.stderr
 
 
 def test_plan_without_a_model_still_says_what_is_missing(tmp_path):
@@ -231,7 +241,7 @@ def test_bash_completion_script_and_answers():
     assert script.returncode == 0, script.stderr
     assert "complete -o nosort -F _r3090ctl_completion r3090ctl" in script.stdout
     answer = run(env=clean_env(_R3090CTL_COMPLETE="bash_complete", COMP_WORDS="r3090ctl sta", COMP_CWORD="1"))
-    assert "status" in answer.stdout.split(), answer.stdout
+    assert answer.stdout.split() == ["plain,status"], answer.stdout
 
 
 @pytest.mark.parametrize("argv0", [CTL, DAEMON], ids=["r3090ctl", "r3090d"])

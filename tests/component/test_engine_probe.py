@@ -494,3 +494,43 @@ def test_inference_probe_ok_and_http_error(serve):
     broken = serve({"/v1/completions": answer(500, "no\n")})
     sample = run_inference_probe(InferenceProber(broken.url, MODEL, API_KEY, timeout=5, wake=wake), wake)
     assert sample.ok is False and sample.detail == "HTTP 500"
+
+
+def test_a_probe_stuck_past_its_timeout_is_failed_not_left_in_flight():
+    """A server that accepts and never answers, with the client's timeout defeated (as a hung
+    DNS lookup would): the sample still reports a failure once timeout + margin has passed."""
+    import socket
+    import threading
+    import time
+
+    from r3090d.probes import inference
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    hold = threading.Event()
+
+    prober = inference.InferenceProber(f"http://127.0.0.1:{port}", "m", "", timeout=0.5)
+    prober._request = lambda: (hold.wait(30), (True, ""))[1]  # the boundary: a request that ignores its timeout
+    try:
+        prober.send()
+        assert prober.sample().ok is None  # in flight
+        deadline = time.monotonic() + 0.5 + inference.OVERDUE_MARGIN_S + 5
+        while time.monotonic() < deadline and prober.sample().ok is None:
+            time.sleep(0.05)
+        s = prober.sample()
+        assert s.ok is False and s.consecutive_failures == 1 and "outlived its timeout" in s.detail
+        hold.set()  # the late answer of the abandoned thread changes nothing
+        for t in threading.enumerate():
+            if t.name == "inference-probe":
+                t.join(5)
+        assert prober.sample().ok is False
+        prober.send()  # and a new probe can be sent, and is answered
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not prober.sample().ok:
+            time.sleep(0.02)
+        assert prober.sample().ok is True and prober.sample().consecutive_failures == 0
+    finally:
+        hold.set()
+        listener.close()

@@ -16,11 +16,15 @@ import time
 from datetime import datetime
 
 import httpx
+import psutil
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from r3090d import control
+from r3090d import control, exporter
+from r3090d.model import Phase, RestartReason
+from r3090d.probes.nvml import clock_reason_table, load_pynvml
 
 pytestmark = pytest.mark.component
 
@@ -50,7 +54,7 @@ def test_metrics_scrape_parses_and_matches_the_engine(make_daemon):
     assert m[("r3090d_kv_usage_ratio", ())] == 0.5
     assert m[("r3090d_kv_free_blocks", ())] == 388.0  # (777 - 1) x (1 - 0.5)
     assert m[("r3090d_requests_running", ())] == 3 and m[("r3090d_requests_waiting", ())] == 2
-    assert m[("r3090d_info", (("instance", ""), ("model", "fake-model"), ("version", "0.1.0")))] == 1
+    assert m[("r3090d_info", (("model", "fake-model"), ("unit_instance", ""), ("version", "0.1.0")))] == 1
     ticks = m[("r3090d_poll_duration_seconds_count", ())]
     assert ticks >= 3 and m[("r3090d_poll_duration_seconds_bucket", (("le", "+Inf"),))] == ticks
     assert 0 < m[("r3090d_poll_duration_seconds_sum", ())] < ticks  # each tick well under a second
@@ -151,6 +155,8 @@ def test_healthz_503_in_maintenance_and_when_disabled_nothing_listens(make_daemo
     while d.healthz()[0] == 200 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert d.healthz() == (503, "maintenance mode")
+    livez = httpx.get(d.exporter_url + "/livez", timeout=2.0, trust_env=False)
+    assert (livez.status_code, livez.text) == (200, "alive\n")  # the daemon is fine: no reason to restart it
     _, m = scrape(d)
     assert m[("r3090d_maintenance", ())] == 1 and m[("r3090d_serving", ())] == 0 and m[("r3090d_engine_up", ())] == 1
 
@@ -159,3 +165,146 @@ def test_healthz_503_in_maintenance_and_when_disabled_nothing_listens(make_daemo
     off.start()
     off.wait_ready()
     assert "exporter on" not in off.log() and "control socket" in off.log()
+
+
+# ------------------------------------------------------------------ pure: /livez and the families
+
+NOW = 1_800_000_000.0
+
+
+def state_doc(phase: Phase = Phase.READY, *, age: float = 1.0, poll_interval: float = 2.0, maintenance: bool = False, **extra) -> dict:
+    d = {
+        "written_at": NOW - age,
+        "daemon": {"pid": 1, "version": "0.1.0", "instance": 1, "poll_interval": poll_interval},
+        "engine": {"phase": phase.value, "maintenance": maintenance, "model": "m", "ready_since": NOW - 50 if phase is Phase.READY else None},
+        "health": {"status": "ok" if phase is Phase.READY else "refused"},
+        "give_up_reason": "3 start failures in a row" if phase is Phase.GIVEN_UP else None,
+    }
+    d.update(extra)
+    return d
+
+
+@pytest.mark.parametrize(
+    "phase, maintenance",
+    [(Phase.READY, False), (Phase.READY, True), (Phase.STARTING, False), (Phase.BACKOFF, False), (Phase.GIVEN_UP, False), (Phase.STOPPED, False)],
+)
+def test_livez_is_200_while_the_loop_ticks_whatever_the_engine_does(phase, maintenance):
+    d = state_doc(phase, maintenance=maintenance)
+    assert exporter.livez(d, NOW) == (200, "alive")
+    if phase is not Phase.READY or maintenance:
+        assert exporter.healthz(d, NOW)[0] == 503  # unlike the load balancer's check
+
+
+def test_livez_turns_503_once_the_loop_stalls_past_the_bound():
+    assert exporter.stale_after(state_doc()) == exporter.STALE_MIN_S  # 5 polls of 2 s are under the floor
+    assert exporter.livez(state_doc(age=exporter.STALE_MIN_S), NOW)[0] == 200
+    code, why = exporter.livez(state_doc(Phase.GIVEN_UP, age=exporter.STALE_MIN_S + 2), NOW)
+    assert code == 503
+    assert why == "r3090d state is 12 s old (stale after 10 s): the daemon loop is stuck"
+    # A slower poll stretches the bound: 5 polls of 10 s.
+    assert exporter.livez(state_doc(age=49, poll_interval=10.0), NOW)[0] == 200
+    assert exporter.livez(state_doc(age=51, poll_interval=10.0), NOW)[0] == 503
+    code, why = exporter.livez(None, NOW)
+    assert code == 503 and "no state yet" in why
+
+
+def test_livez_and_healthz_over_http_follow_the_state_document():
+    doc = {"current": state_doc(Phase.GIVEN_UP)}
+    clock = {"now": NOW}
+    ex = exporter.Exporter("127.0.0.1", 0, lambda: doc["current"], clock=lambda: clock["now"]).start()
+    url = f"http://127.0.0.1:{ex.port}"
+    try:
+        with httpx.Client(trust_env=False, timeout=5.0) as c:
+            r = c.get(url + "/livez")
+            assert (r.status_code, r.text) == (200, "alive\n")
+            assert r.headers["content-type"].startswith("text/plain")
+            assert c.get(url + "/healthz").status_code == 503  # given up: out of the balancer, yet alive
+            clock["now"] = NOW + 60  # no tick for a minute
+            r = c.get(url + "/livez")
+            assert r.status_code == 503
+            assert r.text == "r3090d state is 61 s old (stale after 10 s): the daemon loop is stuck\n"
+            assert c.head(url + "/livez").status_code == 503
+            doc["current"] = state_doc(Phase.STARTING, age=-59)  # the loop ticks again
+            assert c.get(url + "/livez").status_code == 200
+            assert "/livez" in c.get(url + "/").text
+    finally:
+        ex.stop()
+
+
+def samples(doc: dict | None, now: float = NOW) -> dict:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(exporter.StateCollector(lambda: doc, clock=lambda: now))
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def by_label(m: dict, name: str, label: str) -> dict:
+    return {dict(labels)[label]: v for (n, labels), v in m.items() if n == name}
+
+
+def test_points_in_time_are_unix_timestamps_that_do_not_move_between_scrapes():
+    d = state_doc(alerts={"firing": {}, "silenced": {"gpu_memory": NOW + 600, "kv_pressure": NOW - 5}})
+    for now in (NOW, NOW + 30):
+        m = samples(d, now)
+        assert m[("r3090d_state_written_timestamp_seconds", ())] == NOW - 1
+        assert m[("r3090d_engine_ready_timestamp_seconds", ())] == NOW - 50
+        assert by_label(m, "r3090d_alert_silenced_until_timestamp_seconds", "alert") == {"gpu_memory": NOW + 600}  # the lapsed one is gone
+    names = {n for n, _ in samples(d)}
+    assert not names & {"r3090d_state_age_seconds", "r3090d_engine_ready_seconds", "r3090d_alert_silenced_until_seconds"}
+    assert "r3090d_engine_ready_timestamp_seconds" not in {n for n, _ in samples(state_doc(Phase.BACKOFF))}
+
+
+def test_info_labels_leave_instance_to_prometheus():
+    m = samples(state_doc())
+    assert [labels for n, labels in m if n == "r3090d_info"] == [(("model", "m"), ("unit_instance", "1"), ("version", "0.1.0"))]
+
+
+def test_every_restart_reason_and_phase_is_exported_from_the_start():
+    m = samples(state_doc(restarts={"by_reason": {"kv": 2}, "backoff_level": 0}))
+    assert by_label(m, "r3090d_restarts_total", "reason") == {r.value: 0 for r in RestartReason} | {"kv": 2}
+    assert by_label(m, "r3090d_engine_state", "state") == {p.value: 0 for p in Phase} | {"ready": 1}
+
+
+def test_thresholds_are_exported_when_the_document_carries_them():
+    m = samples(state_doc(thresholds={"gpu_memory_alert_bytes": 23500 * 2**20, "kv_min_free_blocks": 100}))
+    assert m[("r3090d_gpu_memory_alert_threshold_bytes", ())] == 23500 * 2**20
+    assert m[("r3090d_kv_free_blocks_threshold", ())] == 100
+    names = {n for n, _ in samples(state_doc())}  # an older daemon's document: absent, not zero
+    assert "r3090d_gpu_memory_alert_threshold_bytes" not in names and "r3090d_kv_free_blocks_threshold" not in names
+
+
+def test_inference_probe_latency_and_time():
+    m = samples(state_doc(inference={"ok": True, "latency_s": 0.25, "finished_at": NOW - 3, "detail": "", "consecutive_failures": 0}))
+    assert m[("r3090d_inference_probe_latency_seconds", ())] == 0.25
+    assert m[("r3090d_inference_probe_timestamp_seconds", ())] == NOW - 3
+    names = {n for n, _ in samples(state_doc(inference={"ok": None, "latency_s": None, "finished_at": None}))}
+    assert not {"r3090d_inference_probe_latency_seconds", "r3090d_inference_probe_timestamp_seconds"} & names
+
+
+def test_clock_event_reasons_one_hot_over_the_known_ones():
+    gpu = {"status": "ok", "clock_event_reasons": ["gpu_idle", "sw_power_cap", "unknown_0x800"]}
+    got = by_label(samples(state_doc(gpu=gpu)), "r3090d_gpu_clock_event_reason", "reason")
+    assert got == {r: 0 for r in exporter.CLOCK_EVENT_REASONS} | {"gpu_idle": 1, "sw_power_cap": 1, "unknown_0x800": 1}
+    assert by_label(samples(state_doc(gpu={"status": "disabled"})), "r3090d_gpu_clock_event_reason", "reason") == {}
+
+
+def test_known_clock_event_reasons_cover_the_installed_nvml_binding():
+    nvml = load_pynvml()
+    if nvml is None:
+        pytest.skip("pynvml (nvidia-ml-py) is not installed")
+    missing = set(clock_reason_table(nvml).values()) - set(exporter.CLOCK_EVENT_REASONS)
+    assert not missing, f"add {sorted(missing)} to exporter.CLOCK_EVENT_REASONS"
+
+
+def test_process_metrics_are_the_daemons_own():
+    ex = exporter.Exporter("127.0.0.1", 0, lambda: state_doc())
+    m = {}
+    for fam in text_string_to_metric_families(generate_latest(ex.registry).decode()):
+        for s in fam.samples:
+            m[s.name] = s.value
+    assert m["process_start_time_seconds"] == pytest.approx(psutil.Process().create_time(), abs=1.0)
+    assert m["process_resident_memory_bytes"] > 0 and m["process_open_fds"] > 0 and "process_cpu_seconds_total" in m
+    assert m["r3090d_engine_up"] == 1

@@ -39,17 +39,26 @@ def _cursor(ns) -> str:
 
 
 def _entries(ns, cursor: str, *args: str) -> list[dict]:
-    """The unit's journal entries after `cursor`, as journalctl's JSON."""
+    """The unit's journal entries after `cursor`, as journalctl's JSON.
+
+    --cursor and not --after-cursor: with a filter that the cursor's own entry
+    does not match, journalctl 252's --after-cursor skips the first entry that
+    does (it always steps two entries past the seek point)."""
     out = ns.nsenter(
-        ["journalctl", "--no-pager", "-u", UNIT, f"--after-cursor={cursor}", "-o", "json", "--output-fields=MESSAGE,PRIORITY,SYSLOG_IDENTIFIER", *args],
+        ["journalctl", "--no-pager", "-u", UNIT, f"--cursor={cursor}", "-o", "json", "--output-fields=MESSAGE,PRIORITY,SYSLOG_IDENTIFIER", *args],
         check=False,
     )
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    entries = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return [e for e in entries if e.get("__CURSOR") != cursor]
 
 
 def _ours(entries: list[dict]) -> list[tuple[int, str]]:
     """(priority, message) of the lines r3090d wrote, not systemd's own about the unit."""
     return [(int(e["PRIORITY"]), e["MESSAGE"]) for e in entries if e.get("SYSLOG_IDENTIFIER") == "r3090d" and isinstance(e.get("MESSAGE"), str)]
+
+
+def _show(lines: list[tuple[int, str]]) -> str:
+    return "\n".join(f"<{p}> {m}" for p, m in lines)
 
 
 def _find(lines: list[tuple[int, str]], *needles: str) -> tuple[int, str] | None:
@@ -61,6 +70,7 @@ def test_journalctl_priority_warning_shows_what_needs_a_human(unit_factory, tiny
         pytest.skip("vm.swappiness is 0 here: no preflight check WARNs")
     unit = unit_factory(UNIT, "r3090d-journal.log")
     unit.reset()
+    Path("/var/lib/r3090d/state.json").unlink(missing_ok=True)  # no alert left firing by an earlier test
     config = TEST_ROOT / "config-journal.toml"
     # The shipped unit's own output settings: only the config is set here.
     systemd_ns.write_file(unit.dropin, f"[Service]\nEnvironment=R3090D_CONFIG={config}\n")
@@ -89,7 +99,7 @@ def test_journalctl_priority_warning_shows_what_needs_a_human(unit_factory, tiny
     # journald reads the stream on its own time: wait for the give-up to arrive.
     warned = unit.wait_for(warnings_seen, 60, "the give-up in `journalctl -p warning`")
     everything = _ours(_entries(systemd_ns, cursor))
-    shown = "\n".join(f"<{p}> {m}" for p, m in warned)
+    shown = _show(warned)
     print(f"journalctl -p warning -u {UNIT}:\n{shown}")
 
     expected = {
@@ -102,7 +112,7 @@ def test_journalctl_priority_warning_shows_what_needs_a_human(unit_factory, tiny
     }
     for what, (priority, needles) in expected.items():
         found = _find(warned, *needles)
-        assert found is not None, f"{what} missing from journalctl -p warning:\n{shown}"
+        assert found is not None, f"{what} missing from journalctl -p warning:\n{shown}\nall of it:\n{_show(everything)}"
         assert found[0] == priority, f"{what} at priority {found[0]}, expected {priority}: {found[1]}"
 
     # Nothing logged at INFO reaches -p warning, and journald took every prefix off.

@@ -13,6 +13,8 @@ from r3090d import argv as argvmod
 from r3090d import config
 from r3090d.config import Config
 from r3090d.effectors.child import DRAIN_MARGIN_S
+from r3090d.exporter import Exporter, HttpRequest, Method
+from r3090d.model import Phase
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (pip install -e '.[test]')")
 
@@ -148,6 +150,16 @@ def test_probes_ask_the_exporter(container, cfg, probe, path):
     assert get["path"] == path
     assert port_number(container, get["port"]) == cfg.daemon.exporter_port
     assert container[probe].get("successThreshold", 1) == 1
+
+
+@pytest.mark.parametrize("probe", ["readinessProbe", "livenessProbe", "startupProbe"])
+def test_the_exporter_serves_each_probe_path(container, probe):
+    """A fresh state document with a ready engine: every probe path answers 200 (an unknown path is 404)."""
+    now = 1000.0
+    doc = {"written_at": now, "daemon": {"poll_interval": 2.0}, "engine": {"phase": Phase.READY.value}, "health": {"status": "ok"}}
+    exporter = Exporter("127.0.0.1", 0, lambda: doc, clock=lambda: now)  # never started: no socket
+    reply = exporter.respond(HttpRequest(Method.GET, container[probe]["httpGet"]["path"], None))
+    assert reply.code == 200, reply.body
 
 
 def probe_budget(probe: dict) -> float:
