@@ -69,6 +69,8 @@ def setup_logging() -> None:
     # enough: a shell started from a journal-connected service inherits it.
     if journal.stderr_is_journal():
         formatter: logging.Formatter = journal.JournalFormatter("%(levelname)s %(name)s: %(message)s")
+        sys.excepthook = journal.log_uncaught
+        threading.excepthook = journal.log_uncaught_in_thread
     else:
         formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler = logging.StreamHandler(sys.stderr)
@@ -296,7 +298,8 @@ class Daemon:
                 except OSError as exc:
                     log.error("cannot write the restart record in %s: %s", self.state_dir, exc)
             elif isinstance(action, SendAlert):
-                level = logging.ERROR if action.severity == "critical" else logging.WARNING
+                # A resolve is good news: INFO, so `journalctl -p warning` lists only problems.
+                level = logging.INFO if action.state == "resolved" else logging.ERROR if action.severity == "critical" else logging.WARNING
                 log.log(level, "alert %s %s: %s", action.key, action.state, action.summary)
                 if self.alerts is not None:
                     self.alerts.submit(action)

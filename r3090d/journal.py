@@ -99,6 +99,23 @@ def for_stderr(text: str, priority: Priority) -> str:
     return prefixed(text, priority) if stderr_is_journal() else text
 
 
+def log_uncaught(exc_type, exc, tb) -> None:
+    """sys.excepthook under the journal: Python would print a crash's traceback bare,
+    at priority 6, the one thing `journalctl -p warning` must not hide."""
+    if issubclass(exc_type, KeyboardInterrupt):
+        sys.__excepthook__(exc_type, exc, tb)
+        return
+    logging.getLogger("r3090d").critical("uncaught exception", exc_info=(exc_type, exc, tb))
+
+
+def log_uncaught_in_thread(args) -> None:
+    """threading.excepthook under the journal, for the same reason."""
+    if args.exc_type is SystemExit:  # as the default hook: a thread may end that way
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger("r3090d").critical("uncaught exception in thread %s", name, exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+
+
 class JournalFormatter(logging.Formatter):
     """A Formatter that prefixes every line of a record with its syslog priority."""
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import click
 
-from r3090d import __version__, exitcodes
+from r3090d import __version__, exitcodes, journal
 from r3090d import config as configmod
 from r3090d.config import ConfigError
 
@@ -105,7 +105,8 @@ def run_click(command: click.Command, args: list[str] | None = None, *, prog_nam
         return _emit_error(ErrorReport(exc.format_message(), exc.exit_code), as_json, exc.show)
     except ConfigError as exc:
         report = ErrorReport(f"config error: {exc.one_line()}", exitcodes.CONFIG)
-        return _emit_error(report, as_json, lambda: click.echo(f"r3090d: {report.message}", err=True))
+        # Under the journal this line must carry its priority, or `journalctl -p err` misses it.
+        return _emit_error(report, as_json, lambda: click.echo(journal.for_stderr(f"r3090d: {report.message}", journal.Priority.ERR), err=True))
     except KeyboardInterrupt:
         return 130
     if isinstance(rv, int):

@@ -32,6 +32,8 @@ def check(config_path, instance, as_json) -> int:
     except argvmod.EngineNotInstalled as exc:
         raise ConfigError(cfg.source, "engine.python", str(exc), "point it at the venv vLLM is installed in (make engine)") from None
     argv = argvmod.build_argv(cfg, version)
+    for warning in cfg.warnings:  # removed keys the file still uses; stderr keeps --json output clean
+        click.echo(f"WARN {warning}", err=True)
     if as_json:
         emit_json({"config": configmod.redacted(cfg), "vllm_version": str(version), "argv": argv})
         return 0

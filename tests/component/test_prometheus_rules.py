@@ -17,7 +17,7 @@ import re
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -170,4 +170,241 @@ def test_rules_fire_on_scrapes_of_a_real_daemon(make_daemon, tmp_path):
         "R3090dRestartLoop": [{"exp_labels": {"instance": "gpu3", "severity": "warning"}}],
     }
     out = _promtool_test(tmp_path, constant + synthetic, expected, "30m")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------ one case per alert
+
+
+def sel(metric: str, instance: str, **labels: str) -> str:
+    """A series selector with the labels a scrape of job r3090d adds."""
+    body = ",".join(f'{k}="{v}"' for k, v in {"job": "r3090d", "instance": instance, **labels}.items())
+    return f"{metric}{{{body}}}"
+
+
+FIRING, QUIET = "gpu0", "gpu9"
+GIB = 1024**3
+MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class AlertCase:
+    """An alert's expression turns true at minute `start` for the FIRING instance; QUIET's series are a near miss.
+
+    With the rule's `for:` of F minutes (evaluated every minute), the alert is
+    not firing at minute start + F - 1 (pending, or not yet true when F is 0)
+    and fires at start + F, with `labels` (the rule's own labels added) and
+    `annotations` as rendered then. QUIET never fires. `resolved`, for rules
+    over a window, is the minute at which the FIRING alert clears as the window
+    moves past the change (it still fires, as rendered above, one minute before).
+    """
+
+    alert: str
+    series: tuple[tuple[str, str], ...]
+    quiet: tuple[tuple[str, str], ...]
+    start: int
+    labels: dict[str, str]
+    annotations: dict[str, str]  # the templated ones; a text without a template is the rule's own
+    resolved: int | None = None
+
+
+FIRING_JOB = {"job": "r3090d", "instance": FIRING}
+CASES = [
+    AlertCase(
+        "R3090dDown",
+        series=((sel("up", FIRING), "1 1 0+0x30"),),
+        quiet=((sel("up", QUIET), "1 1 0 1+0x30"),),  # one failed scrape: shorter than `for`
+        start=2,
+        labels=FIRING_JOB,
+        annotations={"summary": "r3090d on gpu0 does not answer"},
+    ),
+    AlertCase(
+        "R3090dStuck",
+        # A tick every minute up to minute 4, then none: 60 s old at minute 5 (not over), 120 s at 6.
+        series=((sel("r3090d_state_written_timestamp_seconds", FIRING), "0+60x4 240+0x30"),),
+        quiet=((sel("r3090d_state_written_timestamp_seconds", QUIET), "0+60x4 240 240 360+60x30"),),  # once exactly 60 s old
+        start=6,
+        labels=FIRING_JOB,
+        annotations={"summary": "r3090d on gpu0 has not completed a tick for 3m 0s"},
+    ),
+    AlertCase(
+        "R3090dSlowTicks",
+        # Every tick in the (1 s, 10 s] bucket: p99 interpolates to 1 + 9 x 0.99 = 9.91 s.
+        series=(
+            (sel("r3090d_poll_duration_seconds_bucket", FIRING, le="1.0"), "0+0x40"),
+            (sel("r3090d_poll_duration_seconds_bucket", FIRING, le="10.0"), "0+60x40"),
+            (sel("r3090d_poll_duration_seconds_bucket", FIRING, le="+Inf"), "0+60x40"),
+        ),
+        quiet=(
+            (sel("r3090d_poll_duration_seconds_bucket", QUIET, le="1.0"), "0+60x40"),
+            (sel("r3090d_poll_duration_seconds_bucket", QUIET, le="10.0"), "0+60x40"),
+            (sel("r3090d_poll_duration_seconds_bucket", QUIET, le="+Inf"), "0+60x40"),
+        ),
+        start=1,  # rate() needs two samples
+        labels={"instance": FIRING},
+        annotations={"summary": "r3090d ticks on gpu0 take 9.91 s (p99)"},
+    ),
+    AlertCase(
+        "R3090dEngineGaveUp",
+        series=((sel("r3090d_engine_state", FIRING, state="given-up"), "0 0 1+0x30"),),
+        quiet=((sel("r3090d_engine_state", QUIET, state="backoff"), "0 0 1+0x30"),),
+        start=2,
+        labels={**FIRING_JOB, "state": "given-up"},
+        annotations={"summary": "r3090d on gpu0 gave up on the engine"},
+    ),
+    AlertCase(
+        "R3090dEngineNotServing",
+        series=((sel("r3090d_serving", FIRING), "1 0+0x40"), (sel("r3090d_maintenance", FIRING), "0+0x40")),
+        quiet=((sel("r3090d_serving", QUIET), "1 0+0x40"), (sel("r3090d_maintenance", QUIET), "0 1+0x40")),  # out on purpose
+        start=1,
+        labels=FIRING_JOB,
+        annotations={"summary": "the engine on gpu0 has not been ready for 20 minutes"},
+    ),
+    AlertCase(
+        "R3090dRestartLoop",
+        # Two exits and a dead engine: the third unrequested restart at minute 4, then calm. At minute 61
+        # the hour no longer holds the first restart (minute 0 to 1).
+        series=(
+            (sel("r3090d_restarts_total", FIRING, reason="exited"), "0 1 1 2+0x80"),
+            (sel("r3090d_restarts_total", FIRING, reason="dead"), "0 0 0 0 1+0x80"),
+        ),
+        quiet=(
+            (sel("r3090d_restarts_total", QUIET, reason="requested"), "0 5 10 15+0x80"),  # the operator's
+            (sel("r3090d_restarts_total", QUIET, reason="exited"), "0 1 2+0x80"),
+        ),
+        start=4,
+        labels={"instance": FIRING},
+        annotations={"summary": "the engine on gpu0 restarted 3 times in an hour"},
+        resolved=61,
+    ),
+    AlertCase(
+        "R3090dMaintenanceForgotten",
+        series=((sel("r3090d_maintenance", FIRING), "0 1+0x300"),),
+        quiet=((sel("r3090d_maintenance", QUIET), "0 1+0x238 0 1+0x60"),),  # off for one minute just before 4 h
+        start=1,
+        labels=FIRING_JOB,
+        annotations={"summary": "r3090d on gpu0 has been in maintenance mode for 4 hours"},
+    ),
+    AlertCase(
+        "R3090dKvCacheLow",
+        # The bound is the daemon's (watchdog.min_free_blocks), not the default of 100.
+        series=((sel("r3090d_kv_free_blocks", FIRING), "500 250+0x30"), (sel("r3090d_kv_free_blocks_threshold", FIRING), "300+0x30")),
+        quiet=((sel("r3090d_kv_free_blocks", QUIET), "500 100+0x30"), (sel("r3090d_kv_free_blocks_threshold", QUIET), "100+0x30")),  # at the bound
+        start=1,
+        labels=FIRING_JOB,
+        annotations={"summary": "250 free KV cache blocks on gpu0"},
+    ),
+    AlertCase(
+        "R3090dRequestsQueued",
+        series=((sel("r3090d_requests_waiting", FIRING), "0 3+0x30"), (sel("r3090d_kv_usage_ratio", FIRING), "0.95+0x30")),
+        quiet=((sel("r3090d_requests_waiting", QUIET), "0 3+0x30"), (sel("r3090d_kv_usage_ratio", QUIET), "0.9+0x30")),
+        start=1,
+        labels=FIRING_JOB,
+        annotations={"summary": "requests waiting on gpu0 with the KV cache over 90 %"},
+    ),
+    AlertCase(
+        "R3090dGpuLost",
+        series=((sel("r3090d_gpu_lost", FIRING), "0 0 1+0x30"),),
+        quiet=((sel("r3090d_gpu_lost", QUIET), "0+0x30"),),
+        start=2,
+        labels=FIRING_JOB,
+        annotations={"summary": "the GPU behind gpu0 fell off the bus"},
+    ),
+    AlertCase(
+        "R3090dGpuXidErrors",
+        series=((sel("r3090d_xid_errors_total", FIRING), "0 0 0 1+0x40"),),
+        quiet=((sel("r3090d_xid_errors_total", QUIET), "5+0x40"),),  # errors from before the window
+        start=3,
+        labels=FIRING_JOB,
+        annotations={"summary": "XID critical errors on the GPU behind gpu0"},
+        resolved=18,  # 15 min after the error's first sample
+    ),
+    AlertCase(
+        "R3090dGpuMemoryHigh",
+        # The bound is the daemon's (watchdog.gpu_memory_alert_mib), not the default of 23,500 MiB.
+        series=(
+            (sel("r3090d_gpu_memory_used_bytes", FIRING), f"{20 * GIB} {20 * GIB + 512 * MIB}+0x30"),
+            (sel("r3090d_gpu_memory_alert_threshold_bytes", FIRING), f"{20 * GIB}+0x30"),
+        ),
+        quiet=(
+            (sel("r3090d_gpu_memory_used_bytes", QUIET), f"{23500 * MIB}+0x30"),
+            (sel("r3090d_gpu_memory_alert_threshold_bytes", QUIET), f"{23500 * MIB}+0x30"),  # at the bound
+        ),
+        start=1,
+        labels=FIRING_JOB,
+        annotations={
+            "summary": "GPU memory used on gpu0 is 20.5GiB",
+            "description": "Above the alert threshold of 20GiB (watchdog.gpu_memory_alert_mib): the next allocation may fail. "
+            "Look for other processes on the GPU, or lower gpu_memory_utilization.",
+        },
+    ),
+    AlertCase(
+        "R3090dGpuHot",
+        series=((sel("r3090d_gpu_temperature_celsius", FIRING), "80 85+0x30"),),
+        quiet=((sel("r3090d_gpu_temperature_celsius", QUIET), "80 84+0x30"),),
+        start=1,
+        labels=FIRING_JOB,
+        annotations={"summary": "the GPU behind gpu0 is at 85 C"},
+    ),
+    AlertCase(
+        "R3090dCriticalCondition",
+        series=((sel("r3090d_alerts_firing", FIRING, alert="gpu_lost", severity="critical"), "0 1+0x30"),),
+        quiet=((sel("r3090d_alerts_firing", QUIET, alert="gpu_memory", severity="warning"), "0 1+0x30"),),
+        start=1,
+        labels={**FIRING_JOB, "alert": "gpu_lost"},
+        annotations={"summary": "r3090d on gpu0: gpu_lost is firing"},
+    ),
+]
+
+
+def minutes(duration: str | None) -> int:
+    """A rule's `for:` in whole minutes ("90s" is refused: the cases evaluate once a minute)."""
+    total = 0
+    for n, unit in re.findall(r"(\d+)([smhd])", duration or ""):
+        total += int(n) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
+    assert total % 60 == 0, f"for: {duration} is not whole minutes"
+    return total // 60
+
+
+def expected_annotations(case: AlertCase) -> dict[str, str]:
+    rule = RULE_BY_ALERT[case.alert]
+    out = {}
+    for key, text in rule["annotations"].items():
+        if "{{" in text:
+            assert key in case.annotations, f"{case.alert}: its {key} is a template; the case must spell out how it renders"
+            out[key] = case.annotations[key]
+        else:
+            out[key] = text
+    return out
+
+
+def promtool_group(case: AlertCase) -> dict:
+    rule = RULE_BY_ALERT[case.alert]
+    fire_at = case.start + minutes(rule.get("for"))
+    alert = {"exp_labels": {**case.labels, **rule["labels"]}, "exp_annotations": expected_annotations(case)}
+    checks = [
+        {"eval_time": f"{fire_at - 1}m", "alertname": case.alert, "exp_alerts": []},
+        {"eval_time": f"{fire_at}m", "alertname": case.alert, "exp_alerts": [alert]},
+    ]
+    if case.resolved is not None:
+        checks.append({"eval_time": f"{case.resolved - 1}m", "alertname": case.alert, "exp_alerts": [alert]})
+        checks.append({"eval_time": f"{case.resolved}m", "alertname": case.alert, "exp_alerts": []})
+    return {
+        "name": case.alert,
+        "interval": "1m",
+        "input_series": [{"series": s, "values": v} for s, v in case.series + case.quiet],
+        "alert_rule_test": checks,
+    }
+
+
+def test_every_alert_has_a_case():
+    assert sorted(c.alert for c in CASES) == sorted(ALERTS)
+
+
+@needs_promtool
+def test_every_alert_fires_on_time_with_its_annotations_and_not_on_a_near_miss(tmp_path):
+    test = {"rule_files": [str(RULES)], "evaluation_interval": "1m", "tests": [promtool_group(c) for c in CASES]}
+    path = tmp_path / "alerts-test.yml"
+    path.write_text(yaml.safe_dump(test, sort_keys=False))
+    out = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

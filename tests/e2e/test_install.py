@@ -37,6 +37,7 @@ def make(target: str, root: Path) -> str:
         "CONFDIR": root / "etc",
         "BINDIR": root / "bin",
         "ENGINE_VENV": root / "no-engine",
+        "COMPLETIONDIR": root / "completions",
     }
     (root / "bin").mkdir(exist_ok=True)
     out = subprocess.run(
@@ -94,6 +95,10 @@ def test_install_then_uninstall(scratch):
     assert (prefix / "share" / "r3090d" / "r3090d.toml.example").read_text() == (
         REPO / "etc" / "r3090d.toml"
     ).read_text()
+    completion = scratch / "completions" / "r3090ctl"
+    assert "complete -o nosort -F _r3090ctl_completion r3090ctl" in completion.read_text()
+    # The units and config came from the installed wheel's own copies (r3090ctl setup).
+    assert "setup: " in text
 
     # A fresh config directory gets the annotated reference, readable by the service group only.
     conf.unlink()
@@ -108,4 +113,5 @@ def test_install_then_uninstall(scratch):
     assert not prefix.exists()
     assert not list((scratch / "units").iterdir())
     assert not list((scratch / "bin").iterdir())
+    assert not completion.exists()
     assert conf.exists(), "uninstall keeps the config"

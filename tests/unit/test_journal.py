@@ -271,6 +271,38 @@ def test_no_prefix_unless_journal_stream_names_stderr_itself(stderr_file, monkey
     assert time.strftime("%Y-") in first and first.endswith("INFO r3090d.test: an info line"), first
 
 
+def test_a_crash_reaches_the_journal_at_priority_2(stderr_file, monkeypatch):
+    """Python prints an uncaught exception bare: under the journal it goes through logging."""
+    path, stream = stderr_file()
+    monkeypatch.setenv("JOURNAL_STREAM", stream)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    daemon.setup_logging()
+    try:
+        raise AttributeError("'Config' object has no attribute 'x'")
+    except AttributeError:
+        sys.excepthook(*sys.exc_info())
+    worker = threading.Thread(target=lambda: 1 / 0, name="engine-output")
+    worker.start()
+    worker.join()
+    sys.stderr.flush()
+    lines = path.read_text().splitlines()
+    assert lines[0] == "<2>CRITICAL r3090d: uncaught exception"
+    assert "<2>AttributeError: 'Config' object has no attribute 'x'" in lines
+    assert "<2>CRITICAL r3090d: uncaught exception in thread engine-output" in lines
+    assert lines[-1] == "<2>ZeroDivisionError: division by zero"
+    assert all(line.startswith("<2>") for line in lines), lines
+
+
+def test_the_crash_hooks_stay_pythons_own_outside_the_journal(stderr_file, monkeypatch):
+    stderr_file()
+    monkeypatch.delenv("JOURNAL_STREAM", raising=False)
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
+    daemon.setup_logging()
+    assert sys.excepthook is sys.__excepthook__ and threading.excepthook is threading.__excepthook__
+
+
 def test_no_prefix_without_journal_stream(stderr_file, monkeypatch):
     path, _ = stderr_file()
     monkeypatch.delenv("JOURNAL_STREAM", raising=False)
