@@ -25,6 +25,17 @@ from tests.fakevllm.harness import make_engine_python  # noqa: E402
 TRIALS = 20
 
 
+def time_respawn(daemon: psutil.Process, pid: int) -> tuple[float, int]:
+    """SIGKILL the engine's API server `pid`; seconds until the daemon's new engine process exists, and its pid."""
+    t0 = time.perf_counter()
+    os.kill(pid, signal.SIGKILL)
+    while True:
+        for child in daemon.children():
+            if child.pid != pid and child.status() != psutil.STATUS_ZOMBIE:
+                return time.perf_counter() - t0, child.pid
+        time.sleep(0.0005)
+
+
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="r3090d-bench-") as tmp:
         tmp = Path(tmp)
@@ -41,17 +52,8 @@ def main() -> int:
         try:
             pid = d.wait_ready(timeout=60)["engine"]["pid"]
             for trial in range(TRIALS):
-                t0 = time.perf_counter()
-                os.kill(pid, signal.SIGKILL)
-                new = None
-                while new is None:
-                    for child in daemon.children():
-                        if child.pid != pid and child.status() != psutil.STATUS_ZOMBIE:
-                            new = child.pid
-                            break
-                    else:
-                        time.sleep(0.0005)
-                latencies.append(time.perf_counter() - t0)
+                latency, new = time_respawn(daemon, pid)
+                latencies.append(latency)
                 pid = d.wait_ready(timeout=60, generation_pid=pid)["engine"]["pid"]
                 assert pid == new, (pid, new)
                 print(f"trial {trial + 1:2d}: {latencies[-1] * 1000:7.1f} ms", file=sys.stderr)

@@ -25,6 +25,7 @@ from r3090d import config as configmod
 from r3090d.config import MIB, Config, ConfigError
 from r3090d.control import start_plane
 from r3090d.effectors.child import DRAIN_MARGIN_S, EngineProcess
+from r3090d.effectors.reaper import ChildReaper
 from r3090d.effectors.systemd import Notifier
 from r3090d.exporter import TickStats
 from r3090d.model import (
@@ -89,6 +90,9 @@ class Daemon:
         self.wake = threading.Event()
         self.signals: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.engine = EngineProcess(self.wake)
+        # As PID 1 (a container's main process), orphans of the engine's tree are ours to
+        # reap; the engine's own exit status stays with its waiter thread.
+        self.reaper = ChildReaper(keep=lambda: (self.engine.sample().pid,))
         self.notifier = Notifier()
         self.gpu_monitor = gpu_monitor
         self.alerts = alerts
@@ -416,6 +420,7 @@ class Daemon:
         try:
             while code is None:
                 self.wake.clear()
+                self.reaper.reap()
                 self._handle_signals()
                 self._handle_control()
                 tick_start = time.monotonic()

@@ -1,4 +1,4 @@
-"""Alert delivery: syslog and email, off the caller's thread.
+"""Alert delivery: syslog, email and Alertmanager, off the caller's thread.
 
 The policy decides *what* to send (dedup, hysteresis, reminders, rate limits);
 this module only delivers `SendAlert` actions. `AlertDispatcher.submit()` never
@@ -7,6 +7,10 @@ channel has its own worker thread, so a hung SMTP server delays neither the
 daemon's loop nor the syslog line. A worker retries a failed delivery with
 capped exponential backoff and drops the alert only after the channel's
 attempt limit, logging the drop on the "r3090d.alerts" logger.
+
+Alertmanager (r3090d.effectors.alertmanager) keeps a table of its own and
+re-sends firing alerts on a timer; its queue holds one POST per alert key, the
+newest (see `Deliverable.coalesce_key`).
 
 Syslog priorities (RFC 5424 severities), chosen so a filter on "warning and
 worse" sees every open problem and a filter on "notice and worse" also sees
@@ -45,10 +49,13 @@ from dataclasses import dataclass
 from email.message import EmailMessage
 from email.utils import formatdate, make_msgid
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from r3090d.config import AlertsConfig, Config, ConfigError, EmailConfig, SyslogConfig
 from r3090d.model import SendAlert
+
+if TYPE_CHECKING:  # the Alertmanager module imports this one; at run time it is imported where used
+    from r3090d.effectors.alertmanager import AlertmanagerFeed, Firing
 
 log = logging.getLogger("r3090d.alerts")
 
@@ -151,6 +158,29 @@ class RaisedAlert:
     context: AlertContext
     raised_at: float
 
+    @property
+    def label(self) -> str:
+        return _label(self)
+
+    @property
+    def coalesce_key(self) -> str | None:
+        return None  # every message counts: a mail is never replaced by a later one
+
+    def delivered(self, channel: str) -> None:
+        pass
+
+
+class Deliverable(Protocol):
+    """What a channel's queue holds: a RaisedAlert, or an Alertmanager POST."""
+
+    @property
+    def label(self) -> str: ...  # for log lines: "gpu_memory FIRING (warning)"
+
+    @property
+    def coalesce_key(self) -> str | None: ...  # not None: a newer item with this key replaces this one
+
+    def delivered(self, channel: str) -> None: ...  # called once the channel took it (no lock held)
+
 
 # ----------------------------------------------------------- pure formatting
 
@@ -251,7 +281,7 @@ class Channel(Protocol):
     target: str  # where it delivers, for humans: "/dev/log", "smtp.example.org:587 (starttls) ..."
     max_attempts: int
 
-    def prepare(self, raised: RaisedAlert) -> Any: ...
+    def prepare(self, item: Any) -> Any: ...  # a RaisedAlert, or what the channel's own feed queues
 
     def deliver(self, payload: Any) -> str: ...  # a note for the operator, "" if none; raises DeliveryError
 
@@ -584,6 +614,14 @@ def _text(value: bytes | str) -> str:
     return one_line(value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value))
 
 
+CHANNEL_KINDS = ("syslog", "email", "alertmanager")
+
+
+def channel_kind(channel: Channel) -> str:
+    """'alertmanager' for 'alertmanager[2]': the name `--channel` and include_disabled use."""
+    return channel.name.split("[", 1)[0]
+
+
 def build_channels(
     cfg: AlertsConfig,
     *,
@@ -599,6 +637,10 @@ def build_channels(
     if cfg.email.enabled or "email" in include_disabled:
         password = read_smtp_password(cfg.email, source, environ)
         channels.append(EmailChannel(cfg.email, password=password, helo_name=hostname, source=source))
+    if cfg.alertmanager.enabled or "alertmanager" in include_disabled:
+        from r3090d.effectors import alertmanager  # it imports this module
+
+        channels.extend(alertmanager.build_channels(cfg.alertmanager, source))
     return channels
 
 
@@ -612,7 +654,13 @@ def check_config(cfg: Config, environ: Mapping[str, str] | None = None) -> None:
 
 
 class _ChannelWorker:
-    """One channel's queue and thread: in order, with retries, never raising."""
+    """One channel's queue and thread: in order, with retries, never raising.
+
+    An item with a coalesce_key replaces the queued item with the same key (in
+    its place in the queue), and a retry of such an item is abandoned once a
+    newer one is queued: only the newest state of a key goes out, so an old
+    FIRING cannot land after its RESOLVED.
+    """
 
     def __init__(
         self,
@@ -628,7 +676,7 @@ class _ChannelWorker:
         self._retry_max = retry_max
         self._queue_limit = queue_limit
         self._cond = threading.Condition()
-        self._pending: deque[RaisedAlert] = deque()
+        self._pending: deque[Deliverable] = deque()
         self._busy = False
         self._closed = False
         self._failing: str | None = None  # the failure last logged at WARNING; None while healthy
@@ -637,15 +685,27 @@ class _ChannelWorker:
         self._thread = threading.Thread(target=self._run, name=f"r3090d-alerts-{channel.name}", daemon=True)
         self._thread.start()
 
-    def put(self, raised: RaisedAlert) -> None:
+    def put(self, item: Deliverable) -> None:
         with self._cond:
             if self._closed:
-                self._log_drop(raised, "the dispatcher is closed")
+                self._log_drop(item, "the dispatcher is closed")
                 return
+            key = item.coalesce_key
+            if key is not None:
+                for i, queued in enumerate(self._pending):
+                    if queued.coalesce_key == key:
+                        self._pending[i] = item  # the newer state, where the older one waited
+                        self._cond.notify_all()
+                        return
             if len(self._pending) >= self._queue_limit:
                 self._log_drop(self._pending.popleft(), f"{self._queue_limit} alerts were already waiting")
-            self._pending.append(raised)
+            self._pending.append(item)
             self._cond.notify_all()
+
+    def _superseded(self, item: Deliverable) -> bool:
+        """A newer item with the same key is queued (call with _cond held)."""
+        key = item.coalesce_key
+        return key is not None and any(queued.coalesce_key == key for queued in self._pending)
 
     def wait_idle(self, deadline: float) -> bool:
         with self._cond:
@@ -654,13 +714,20 @@ class _ChannelWorker:
             )
 
     def close(self, deadline: float) -> None:
+        self.begin_close()
+        self.finish_close(deadline)
+
+    def begin_close(self) -> None:
+        """Stop taking alerts, drop (and log) what waits, wake the thread."""
         with self._cond:
             self._closed = True
             left = list(self._pending)
             self._pending.clear()
             self._cond.notify_all()
-        for raised in left:
-            self._log_drop(raised, "the dispatcher closed before delivery")
+        for item in left:
+            self._log_drop(item, "the dispatcher closed before delivery")
+
+    def finish_close(self, deadline: float) -> None:
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             log.warning("%s: still inside a delivery attempt at close; abandoning it", self.channel.name)
@@ -685,20 +752,18 @@ class _ChannelWorker:
                 self._cond.wait_for(lambda: self._pending or self._closed)
                 if self._closed:
                     return
-                raised = self._pending.popleft()
+                item = self._pending.popleft()
                 self._busy = True
             try:
-                self._deliver(raised)
+                self._deliver(item)
             except Exception as exc:  # noqa: BLE001 -- a bug here must not kill the channel
-                self._log_drop(
-                    raised, f"internal error {type(exc).__name__}: {self.channel.redact(str(exc))}"
-                )
+                self._log_drop(item, f"internal error {type(exc).__name__}: {self.channel.redact(str(exc))}")
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _deliver(self, raised: RaisedAlert) -> None:
+    def _deliver(self, raised: Deliverable) -> None:
         name, attempts = self.channel.name, self.channel.max_attempts
         payload = self.channel.prepare(raised)
         for attempt in range(1, attempts + 1):
@@ -715,8 +780,9 @@ class _ChannelWorker:
                     log.info("%s delivery works again (%s)", name, self.channel.target)
                     self._failing = None
                 if note:
-                    log.warning("%s: alert %s: %s", name, _label(raised), note)
-                log.debug("%s: delivered alert %s (attempt %d)", name, _label(raised), attempt)
+                    log.warning("%s: alert %s: %s", name, raised.label, note)
+                log.debug("%s: delivered alert %s (attempt %d)", name, raised.label, attempt)
+                raised.delivered(name)  # outside _cond: the callee may queue more
                 return
             last = attempt == attempts
             delay = 0.0 if last else retry_delay(attempt, self._retry_initial, self._retry_max)
@@ -728,23 +794,34 @@ class _ChannelWorker:
                 level,
                 "%s: alert %s: attempt %d of %d failed: %s; %s",
                 name,
-                _label(raised),
+                raised.label,
                 attempt,
                 attempts,
                 reason,
                 then,
             )
-            if last:
-                self._log_drop(raised, f"{attempts} attempts failed, last: {reason}")
-                return
-            if self._stop.wait(delay):
-                self._log_drop(raised, f"the dispatcher closed while waiting to retry (last error: {reason})")
-                return
+            with self._cond:
+                if last and self._superseded(raised):
+                    log.debug("%s: alert %s: a newer state is queued", name, raised.label)
+                    return
+                if last:
+                    self._log_drop(raised, f"{attempts} attempts failed, last: {reason}")
+                    return
+                # The backoff ends early when a newer state of the same key arrives: that one goes instead.
+                self._cond.wait_for(
+                    lambda: self._closed or self._stop.is_set() or self._superseded(raised), timeout=delay
+                )
+                if self._closed or self._stop.is_set():
+                    self._log_drop(raised, f"the dispatcher closed while waiting to retry (last error: {reason})")
+                    return
+                if self._superseded(raised):
+                    log.debug("%s: alert %s: replaced by a newer state before its retry", name, raised.label)
+                    return
 
-    def _log_drop(self, raised: RaisedAlert, why: str) -> None:
+    def _log_drop(self, item: Deliverable, why: str) -> None:
         with self._cond:
             self.dropped += 1
-        log.error("%s: dropped alert %s: %s", self.channel.name, _label(raised), why)
+        log.error("%s: dropped alert %s: %s", self.channel.name, item.label, why)
 
 
 def _label(raised: RaisedAlert) -> str:
@@ -758,9 +835,14 @@ class AlertDispatcher:
     Daemon use:
         dispatcher = AlertDispatcher.from_config(cfg)      # ConfigError -> exit 78
         dispatcher.submit(action)                          # for each SendAlert; returns at once
+        dispatcher.sync(book.firing(), wall_offset=off)    # each tick: what fires, sent or held back
         dispatcher.set_gpu(sample.name, sample.index, sample.uuid)  # on a usable GPU sample
         dispatcher.flush(timeout=30)                       # before exiting, so the last alert goes out
         dispatcher.close()
+
+    state_dir (from_config: daemon.state_dir) is where the Alertmanager channel
+    keeps the alerts it must resolve at the next start; exit_on_give_up
+    (daemon.exit_on_give_up) makes gave_up one of them.
     """
 
     def __init__(
@@ -774,6 +856,8 @@ class AlertDispatcher:
         retry_max: float = DEFAULT_RETRY_MAX_S,
         queue_limit: int = DEFAULT_QUEUE_LIMIT,
         clock=time.time,
+        state_dir: Path | str | None = None,
+        exit_on_give_up: bool = False,
     ):
         channels = build_channels(cfg, hostname=context.hostname, source=source, environ=environ)
         self._context = context
@@ -784,11 +868,27 @@ class AlertDispatcher:
         self._workers = [
             _ChannelWorker(ch, self._stop, retry_initial, retry_max, queue_limit) for ch in channels
         ]
+        # Alertmanager's queues are fed by its table, not by submit() directly.
+        am_workers = [w for w in self._workers if channel_kind(w.channel) == "alertmanager"]
+        self._direct = [w for w in self._workers if w not in am_workers]
+        self._feed: AlertmanagerFeed | None = None
+        if am_workers:
+            from r3090d.effectors.alertmanager import AlertmanagerFeed
+
+            self._feed = AlertmanagerFeed(
+                cfg.alertmanager,
+                am_workers,
+                state_dir=Path(state_dir) if state_dir is not None else None,
+                exit_on_give_up=exit_on_give_up,
+                clock=clock,
+            )
         if not channels:
             log.info("no alert channel is enabled: alerts are logged only")
 
     @classmethod
     def from_config(cls, cfg: Config, *, gpu_name: str | None = None, **kwargs) -> AlertDispatcher:
+        kwargs.setdefault("state_dir", cfg.daemon.state_dir)
+        kwargs.setdefault("exit_on_give_up", cfg.daemon.exit_on_give_up)
         return cls(cfg.alerts, AlertContext.from_config(cfg, gpu_name=gpu_name), source=cfg.source, **kwargs)
 
     @property
@@ -821,13 +921,28 @@ class AlertDispatcher:
             raise TypeError(f"submit() takes a SendAlert, not {type(alert).__name__}")
         raised = RaisedAlert(alert, self._context, self._clock())
         log.info("alert %s: %s", _label(raised), one_line(alert.summary))
-        for worker in self._workers:
+        for worker in self._direct:
             worker.put(raised)
+        if self._feed is not None:
+            self._feed.on_alert(raised)
+
+    def sync(self, firing: Mapping[str, Firing], *, wall_offset: float = 0.0) -> None:
+        """Tell Alertmanager what fires now, including what the lifecycle holds back.
+
+        `firing` is the lifecycle's AlertBook.firing(): key -> entry with
+        severity, summary and since (the loop's monotonic clock; wall_offset
+        turns it into wall time). A FIRING held back by min_interval or a
+        silence still reaches Alertmanager this way, and a key that left the
+        table is resolved there. Cheap; a no-op without Alertmanager.
+        """
+        if self._feed is not None:
+            self._feed.sync(firing, self._context, wall_offset=wall_offset)
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued alert is delivered or dropped; False if the timeout came first."""
         deadline = time.monotonic() + max(0.0, timeout)
-        return all([w.wait_idle(deadline) for w in self._workers])
+        saved = self._feed.flush(deadline) if self._feed is not None else True
+        return all([w.wait_idle(deadline) for w in self._workers]) and saved
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the workers: pending alerts are dropped (and logged). Call flush() first to deliver them."""
@@ -837,8 +952,12 @@ class AlertDispatcher:
             self._closed = True
         self._stop.set()
         deadline = time.monotonic() + max(0.0, timeout)
+        if self._feed is not None:
+            self._feed.close()  # no more re-sends; what it must persist, flush() saved
         for worker in self._workers:
-            worker.close(deadline)
+            worker.begin_close()  # every thread woken at once, then joined
+        for worker in self._workers:
+            worker.finish_close(deadline)
 
     def status(self) -> dict[str, dict]:
         """Per channel: target, pending, delivered, dropped, and the current failure (None when healthy)."""

@@ -163,6 +163,14 @@ def test_a_health_command_keeps_its_exit_code_into_a_closed_pipe(config):
     assert out.stderr == ""
 
 
+def test_status_watch_stops_when_the_reader_goes(config):
+    # `status --watch | head -3`: once head has gone the loop must end, not print to nobody for ever.
+    for as_json in ([], ["--json"]):
+        out = run_into_closed_pipe("status", "--watch", "0.2", *as_json, "--config", config)
+        assert out.returncode == 3, out.stderr
+        assert out.stderr == ""
+
+
 # -------------------------------------------------------------- without a config
 
 

@@ -22,13 +22,14 @@ import pytest
 import yaml
 
 from r3090d import control
-from tests.ctl_harness import free_port
+from tests.daemon_harness import free_port
 
 pytestmark = pytest.mark.component
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "etc" / "prometheus-rules.yml"
 FAKE_NVML = REPO / "tests" / "fakenvml"
+DASHBOARD_TEST = REPO / "tests" / "unit" / "test_grafana_dashboard.py"  # dashboard_queries(): every panel's PromQL
 PROMETHEUS = shutil.which("prometheus")
 needs_prometheus = pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus binary is not installed (apt-get install prometheus)")
 # Fails 1 s after every start: a start failure each time (inside min_uptime).
@@ -69,6 +70,10 @@ class Prometheus:
             )
         self.wait(self._ready, timeout, "Prometheus ready")
         return self
+
+    def wait_scraping(self, timeout: float = 30.0) -> None:
+        """Until the first scrape of the target, answered or not: Prometheus applies its targets some seconds after it is ready."""
+        self.wait(lambda: self.query('up{job="r3090d"}'), timeout, "the first scrape")
 
     def _ready(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
@@ -145,19 +150,16 @@ def test_restart_loop_then_give_up_keeps_firing_while_the_daemon_is_scraped(make
         extra_args=DYING_ENGINE,
         watchdog={"start_failures": START_FAILURES, "same_cause_failures": 100, "min_uptime": 60, "backoff_initial": 0.2, "backoff_max": 0.5},
     )
-    # Prometheus first, so that its first scrape sees every restart counter at 0.
+    # Prometheus first, so that its first answered scrape sees every restart counter at 0.
     prom = prometheus(f"127.0.0.1:{d.exporter_port}")
+    prom.wait_scraping()
     t0 = time.time()
     d.start()
 
     third = prom.wait(lambda: (st := d.state()) and (unrequested_restarts(st) >= 3 or st["engine"]["phase"] == "given-up") and st, 60, "the third restart", interval=0.05)
     assert unrequested_restarts(third) >= 3, f"gave up after {unrequested_restarts(third)} restarts: {third['give_up_reason']}"
     third_at = third["restarts"]["last_at"]
-    try:
-        (loop,) = prom.wait(lambda: prom.firing("R3090dRestartLoop"), 30, "R3090dRestartLoop firing")
-    except AssertionError:
-        print(prom.query('r3090d_restarts_total'), prom.query('up'), prom.query('sum by (instance) (increase(r3090d_restarts_total{reason!="requested"}[1h]))'), prom.client.get("/api/v1/targets").text, prom.client.get("/api/v1/rules").text[:3000])
-        raise
+    (loop,) = prom.wait(lambda: prom.firing("R3090dRestartLoop"), 30, "R3090dRestartLoop firing")
     loop_seen = time.time()
     assert loop["labels"]["instance"] == f"127.0.0.1:{d.exporter_port}"
     assert float(loop["value"]) >= 3
@@ -196,17 +198,11 @@ def test_restart_loop_then_give_up_keeps_firing_while_the_daemon_is_scraped(make
     )
 
 
-def _dashboard_queries() -> list[str] | None:
-    try:
-        from tests.unit.test_grafana_dashboard import dashboard_queries
-    except ImportError:
-        return None
-    return dashboard_queries()
-
-
 @needs_prometheus
-@pytest.mark.skipif(_dashboard_queries() is None, reason="no Grafana dashboard test (tests/unit/test_grafana_dashboard.py) to take the queries from")
+@pytest.mark.skipif(not DASHBOARD_TEST.exists(), reason=f"no {DASHBOARD_TEST.relative_to(REPO)} to take the dashboard's queries from")
 def test_every_grafana_panel_gets_data_from_a_scraped_daemon(make_daemon, prometheus, monkeypatch, tmp_path):
+    from tests.unit.test_grafana_dashboard import dashboard_queries
+
     card = tmp_path / "card.json"
     # A busy card: clock reasons to plot (power cap, one absent reason at 0), memory under the alert line.
     card.write_text(json.dumps({"memory_used_mib": 20000, "util": 87, "temperature": 71, "power_w": 301, "clock_event_reasons": 0x4}))
@@ -215,15 +211,18 @@ def test_every_grafana_panel_gets_data_from_a_scraped_daemon(make_daemon, promet
     d = make_daemon(watchdog={"probe_idle_seconds": 1}, args=("--skip-preflight",))
     d.rewrite(gpu={"required": True, "card": "any"})
     prom = prometheus(f"127.0.0.1:{d.exporter_port}")
+    prom.wait_scraping()
     d.start()
     first = d.wait_ready()
     assert d.state()["gpu"]["name"] == "NVIDIA GeForce RTX 3090", "the daemon does not read the fake card"
-    # A restart, so the restart panels (increase over the last minute) have one to show.
+    # A restart, so the restart panels (increase over the last minute) have one to show; after a
+    # scrape that saw none, or Prometheus would take the counter's first sample for its start.
+    prom.wait(lambda: prom.value('r3090d_restarts_total{reason="requested"}') == 0, 30, "a scrape of the ready daemon")
     assert control.request(d.runtime_dir, {"cmd": "restart", "drain": False})["ok"]
     d.wait_ready(old_pid=first["engine"]["pid"])
     d.fake("POST", "/fake/control", json={"metrics_values": {"running": 2, "waiting": 1, "kv_cache_usage_perc": 0.5}})
 
-    queries = _dashboard_queries()
+    queries = dashboard_queries()
     empty: list[str] = list(queries)
 
     def all_have_data() -> bool:

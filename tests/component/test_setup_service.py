@@ -156,3 +156,14 @@ def test_hidden_from_service(tmp_path):
     assert "ProtectHome" in (setup_cmd.hidden_from_service(str(script)) or "")
     script.write_text("#!/usr/bin/python3\n")
     assert setup_cmd.hidden_from_service(str(script)) is None
+
+
+def test_without_root_it_refuses_unless_dry(monkeypatch, capsys, tmp_path):
+    from r3090d.cli.common import ctl, run_click
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # the process's identity is the boundary here
+    assert run_click(ctl, ["setup", "--root", str(tmp_path), "--daemon-path", DAEMON]) == setup_cmd.EX_NOPERM
+    assert "must run as root" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    assert run_click(ctl, ["setup", "--root", str(tmp_path), "--daemon-path", DAEMON, "--dry-run"]) == 0
+    assert not list(tmp_path.iterdir())

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -201,7 +202,7 @@ BAD_CONFIGS = [
     ("unknown profile", lambda m: 'profile = "fast"\n' + base(m), "profile"),
     (
         "profile over the alert threshold",
-        lambda m: f'profile = "batch"\n[engine]\npython = "{sys.executable}"\nmodel = "{m}"\n',
+        lambda m: f'profile = "batch"\n[engine]\npython = "{sys.executable}"\nmodel = "{m}"\n[profiles.batch]\ngpu_memory_utilization = 0.95\n',
         "profiles.batch.gpu_memory_utilization",
     ),
     ("bad choice", lambda m: base(m, rest='[alerts.email]\nsecurity = "tls"\n'), "alerts.email.security"),
@@ -543,3 +544,13 @@ def test_config_check_prints_migration_warnings(tmp_path, model_dir):
     assert out.returncode == 0, out.stderr
     warn = [line for line in out.stderr.splitlines() if line.startswith("WARN ")]
     assert len(warn) == 1 and "watchdog.give_up_restarts" in warn[0] and "start_failures = 4" in warn[0]
+
+
+def test_every_shipped_profile_loads_against_the_shipped_defaults(tmp_path):
+    """The shipped profiles and the shipped memory alert must agree: each one passes `config check`."""
+    shipped = tomllib.loads((Path(__file__).resolve().parents[2] / "etc" / "r3090d.toml").read_text())
+    for name in configmod.BUILTIN_PROFILES:
+        data = {**shipped, "profile": name}
+        data["engine"] = {**shipped["engine"], "model": str(tmp_path), "python": sys.executable}
+        cfg = configmod.from_dict(data, check_files=False)
+        assert cfg.active_profile == configmod.BUILTIN_PROFILES[name]

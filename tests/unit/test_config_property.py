@@ -371,4 +371,5 @@ def test_check_files_with_real_secret_files(files, doc, api_key, password, email
     if cfg is not None and data is core:
         assert api_key in ("good", "at-cap"), api_key
         assert cfg.api_key == ("s3cret" if api_key == "good" else "k" * configmod.SECRET_MAX_BYTES)
-        assert not email_on or password in ("good", "at-cap", "two-lines", "nul", "blank"), password
+        # The loader checks that the password file can be read; what it holds is the SMTP channel's business.
+        assert not email_on or password not in ("latin1", "big", "fifo", "link-to-fifo", "dir", "missing", "dev-zero"), password

@@ -22,16 +22,8 @@ INSTANCE_MATCHER = 'instance=~"$instance"'
 GRID_COLUMNS = 24
 # What Grafana puts in place of its variables, for running a query outside it.
 SUBSTITUTIONS = {"$instance": ".*", "$__rate_interval": "1m"}
-# Metrics the dashboard plots that the exporter does not serve yet:
-# name -> (type, labels besides the target's).
-PENDING_METRICS = {
-    "r3090d_kv_free_blocks_threshold": ("gauge", ()),
-    "r3090d_gpu_memory_alert_threshold_bytes": ("gauge", ()),
-    "r3090d_gpu_clock_event_reason": ("gauge", ("reason",)),
-    "r3090d_inference_probe_latency_seconds": ("gauge", ()),
-    "process_cpu_seconds_total": ("counter", ()),
-    "process_resident_memory_bytes": ("gauge", ()),
-}
+# Metrics the dashboard plots that the exporter does not serve (yet): name -> (type, labels).
+PENDING_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {}
 METRIC_NAME = re.compile(r"\b((?:r3090d|process)_[a-zA-Z0-9_]+)\b")
 
 

@@ -22,8 +22,8 @@ RTX3090 = GpuSample(
     status=GpuStatus.OK,
     index=0,
     name="NVIDIA GeForce RTX 3090",
-    driver_version="535.183.01",
-    cuda_driver_version=12020,
+    driver_version="580.95.05",
+    cuda_driver_version=13000,
     compute_capability=(8, 6),
     memory_total=24576 * MIB,
     memory_free=24000 * MIB,
@@ -78,7 +78,7 @@ def test_a_healthy_3090_host_passes():
     assert [r.name for r in rs] == list(preflight.GPU_CHECKS) + ["swap", "swappiness", "governor", "port", "vllm"]
     assert {n: r.status for n, r in by.items() if r.status is not Status.OK} == {}
     assert exit_code(rs) == 0
-    assert by["driver"].measured == "535.183.01 (CUDA 12.2)"
+    assert by["driver"].measured == "580.95.05 (CUDA 13.0)"
     assert by["card"].measured == "NVIDIA GeForce RTX 3090, 24576 MiB, CC 8.6"
     assert "at idle" in by["pcie_gen"].measured and "GeForce" in by["pcie_gen"].hint
     assert by["vllm"].measured == "vLLM 0.32.0"

@@ -6,6 +6,10 @@ handling meets what the real binding raises; only the calls into the driver
 are replaced. The card is described by the JSON file named in
 $R3090D_FAKE_NVML, re-read on every call, so a test can change what the card
 reports (memory used, a lost GPU) while the daemon runs.
+
+`"hang": true` in the card makes every call that reads the card block, as a
+driver stuck in D state does, until the key is cleared (write the file
+atomically: a half-written file reads as still hanging).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,10 +41,21 @@ for _name in dir(_real):
 NVMLError = _real.NVMLError
 
 MIB = 1024 * 1024
+HANG_POLL_S = 0.05
+
+
+def _read_card() -> dict:
+    return json.loads(Path(os.environ["R3090D_FAKE_NVML"]).read_text())
 
 
 def _card() -> dict:
-    card = json.loads(Path(os.environ["R3090D_FAKE_NVML"]).read_text())
+    card = _read_card()
+    while card.get("hang"):
+        time.sleep(HANG_POLL_S)
+        try:
+            card = _read_card()
+        except ValueError:
+            pass  # caught mid-write: the call stays stuck until the file reads whole
     fail = card.get("fail")  # e.g. "GPU_IS_LOST": every call raises that NVML error
     if fail:
         raise NVMLError(getattr(_real, "NVML_ERROR_" + fail))

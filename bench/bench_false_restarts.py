@@ -1,0 +1,298 @@
+"""False restarts under honest load: the shipped watchdog settings against the engine-bound CPU vLLM.
+
+Opt-in (4 runs of 10 minutes plus a vLLM start each): R3090D_BENCH_LONG=1 python bench/bench_false_restarts.py
+R3090D_BENCH_MINUTES=N (or --minutes N) shortens each run; --scenario NAME runs one.
+
+Each run starts a fresh daemon on the engine-bound tiny model (tests/e2e/real_vllm.py,
+ENGINE_BOUND_ARGS: decodes about 55 tokens/s on 2 cores, so requests stay in the
+engine as on a busy GPU) with nothing in [watchdog] overridden, then:
+  long prompts  4 closed-loop clients, each prompt max_model_len - 200 tokens long;
+  max_num_seqs  the profile's max_num_seqs streams at once (ignore_eos), closed loop;
+  kv sawtooth   a KV cache cut to KV_BLOCKS blocks (--num-gpu-blocks-override); clients
+                ramp from 1 to SAWTOOTH_PEAK over 30 s and back over 30 s (dropped
+                clients cancel their request), so the cache overflows into preemptions
+                and recomputes and drains again, over and over;
+  idle          nothing: only the daemon's inference probe reaches the engine.
+Per run: restarts (must be 0), requests finished/cancelled/failed, inference probes
+(vLLM's own count of max_tokens <= 1 requests: the load never asks for fewer than 100),
+preemptions, the longest stretch with requests running and no progress (generation
+tokens, prompt tokens or KV usage unchanged; sampled from the state file every tick)
+and the slowest probe answer, against stall_seconds and probe_timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import benchlib  # noqa: E402
+from benchlib import Daemon, fmt, say  # noqa: E402
+
+MINUTES_ENV = "R3090D_BENCH_MINUTES"
+VOCAB = 2048  # the tiny model's vocabulary: every id decodes
+KV_BLOCKS = 160  # 160 x 128 tokens: about ten requests of SAWTOOTH_PROMPT + SAWTOOTH_OUTPUT
+SAWTOOTH_PEAK = 14
+SAWTOOTH_PROMPT, SAWTOOTH_OUTPUT = 1500, 500
+LONG_PROMPT_MARGIN = 200  # prompt = max_model_len - this; max_tokens = this - 50
+
+
+class Load:
+    """Closed-loop streaming clients; worker k sends while k < target(elapsed seconds), else cancels and waits."""
+
+    def __init__(self, url: str, model: str, workers: int, target: Callable[[float], int], make_body: Callable[[random.Random], dict]):
+        self.url, self.model, self.target, self.make_body = url, model, target, make_body
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.finished = self.cancelled = self.failed = 0
+        self.last_error = ""
+        self._threads = [threading.Thread(target=self._run, args=(k,), name=f"load-{k}", daemon=True) for k in range(workers)]
+
+    def start(self) -> Load:
+        self.t0 = time.monotonic()
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _wanted(self, k: int) -> bool:
+        return not self._stop.is_set() and k < self.target(time.monotonic() - self.t0)
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            setattr(self, what, getattr(self, what) + 1)
+
+    def _run(self, k: int) -> None:
+        rng = random.Random(3090 + k)
+        with httpx.Client(timeout=httpx.Timeout(10.0, read=300.0), trust_env=False) as client:
+            while not self._stop.is_set():
+                if not self._wanted(k):
+                    self._stop.wait(0.2)
+                    continue
+                body = {"model": self.model, "stream": True, "ignore_eos": True, "temperature": 0.8, **self.make_body(rng)}
+                outcome = "failed"
+                try:
+                    with client.stream("POST", self.url + "/v1/completions", json=body) as resp:
+                        if resp.status_code != 200:
+                            self.last_error = f"HTTP {resp.status_code}: {resp.read()[:200]!r}"
+                        for line in resp.iter_lines():
+                            if not self._wanted(k):
+                                outcome = "cancelled"  # leaving closes the connection: vLLM aborts the request
+                                break
+                            if line == "data: [DONE]" and resp.status_code == 200:
+                                outcome = "finished"
+                except httpx.HTTPError as exc:
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                self._count(outcome)
+                if outcome == "failed":
+                    self._stop.wait(1.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(5)
+
+
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    # Token ids, so the length is exact; random, so the prefix cache saves no prefill.
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def triangle(period: float, low: int, high: int) -> Callable[[float], int]:
+    def target(t: float) -> int:
+        phase = (t % period) / (period / 2)
+        frac = phase if phase <= 1 else 2 - phase
+        return low + round(frac * (high - low))
+
+    return target
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    extra_args: tuple[str, ...]
+    load: Callable[[Daemon, int, int], Load | None]  # (daemon, max_model_len, max_num_seqs)
+
+
+def long_prompts(d: Daemon, max_model_len: int, max_num_seqs: int) -> Load:
+    n = max_model_len - LONG_PROMPT_MARGIN
+    return Load(d.url, d.model, 4, lambda t: 4, lambda rng: {"prompt": random_prompt(rng, n), "max_tokens": LONG_PROMPT_MARGIN - 50})
+
+
+def full_batch(d: Daemon, max_model_len: int, max_num_seqs: int) -> Load:
+    return Load(d.url, d.model, max_num_seqs, lambda t: max_num_seqs, lambda rng: {"prompt": random_prompt(rng, 32), "max_tokens": 400})
+
+
+def sawtooth(d: Daemon, max_model_len: int, max_num_seqs: int) -> Load:
+    peak = min(SAWTOOTH_PEAK, max_num_seqs)
+    return Load(d.url, d.model, peak, triangle(60.0, 1, peak),
+                lambda rng: {"prompt": random_prompt(rng, SAWTOOTH_PROMPT), "max_tokens": SAWTOOTH_OUTPUT})  # fmt: skip
+
+
+SCENARIOS = (
+    Scenario("long prompts", (), long_prompts),
+    Scenario("max_num_seqs", (), full_batch),
+    Scenario("kv sawtooth", ("--num-gpu-blocks-override", str(KV_BLOCKS)), sawtooth),
+    Scenario("idle", (), lambda d, m, s: None),
+)
+
+
+@dataclass
+class Watch:
+    """What the state file showed, tick by tick."""
+
+    longest_quiet: float = 0.0  # requests running and the progress mark unchanged, seconds
+    max_running: float = 0.0
+    max_waiting: float = 0.0
+    min_free_blocks: float | None = None
+    slowest_probe: float = 0.0
+    probe_failures: int = 0
+    alerts: set[str] = field(default_factory=set)
+
+
+def watch_state(d: Daemon, stop: threading.Event, w: Watch) -> None:
+    last_written, mark, mark_at = None, None, None
+    seen_probe = None
+    while not stop.wait(0.25):
+        st = d.state()
+        if st is None or st.get("written_at") == last_written:
+            continue
+        last_written = st["written_at"]
+        m, now = st["metrics"], st["written_at"]
+        if m.get("error") is None and m.get("generation_tokens_total") is not None:
+            new = (m["generation_tokens_total"], m["prompt_tokens_total"], m["kv_usage"])
+            if new != mark or not m.get("running"):
+                mark, mark_at = new, now
+            else:
+                w.longest_quiet = max(w.longest_quiet, now - mark_at)
+            w.max_running = max(w.max_running, m.get("running") or 0)
+            w.max_waiting = max(w.max_waiting, m.get("waiting") or 0)
+            if m.get("free_blocks") is not None:
+                w.min_free_blocks = m["free_blocks"] if w.min_free_blocks is None else min(w.min_free_blocks, m["free_blocks"])
+        inf = st.get("inference") or {}
+        if inf.get("finished_at") and inf["finished_at"] != seen_probe:
+            seen_probe = inf["finished_at"]
+            if inf.get("latency_s") is not None:
+                w.slowest_probe = max(w.slowest_probe, inf["latency_s"])
+            if inf.get("ok") is False:
+                w.probe_failures += 1
+        w.alerts |= set((st.get("alerts") or {}).get("firing") or {})
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    minutes: float
+    restarts: int
+    reasons: dict
+    finished: int
+    cancelled: int
+    failed: int
+    probes: float
+    requests: float
+    preemptions: float
+    watch: Watch
+    ready_s: float
+
+
+def run(sc: Scenario, minutes: float, tmp: Path) -> Result:
+    config = benchlib.real_config(tmp, extra_args=sc.extra_args)
+    from r3090d import config as configmod
+
+    cfg = configmod.load(config, check_files=False)
+    profile = cfg.active_profile
+    d = Daemon(config, tmp / "daemon.log").start()
+    load, stop, w = None, threading.Event(), Watch()
+    watcher = threading.Thread(target=watch_state, args=(d, stop, w), daemon=True)
+    try:
+        t0 = time.monotonic()
+        st = d.wait_ready(600)
+        ready_s = time.monotonic() - t0
+        say(f"{sc.name}: engine ready in {ready_s:.0f} s; {minutes:g} min of load")
+        watcher.start()
+        load = sc.load(d, profile.max_model_len, profile.max_num_seqs)
+        if load is not None:
+            load.start()
+        end = time.monotonic() + minutes * 60
+        while time.monotonic() < end:
+            time.sleep(min(30.0, max(0.0, end - time.monotonic())))
+            st = d.state() or st
+            m = st["metrics"]
+            extra = f", load {load.finished} finished {load.cancelled} cancelled {load.failed} failed" if load else ""
+            say(f"{sc.name}: {st['engine']['phase']}, restarts {st['restarts']['total']}, running {m.get('running')}, "
+                f"waiting {m.get('waiting')}, free blocks {fmt(m.get('free_blocks'), '.0f')}{extra}")  # fmt: skip
+        text = benchlib.scrape(d.url)
+        st = d.state() or st
+    finally:
+        if load is not None:
+            load.stop()
+        stop.set()
+        d.cleanup()
+    if load is not None and load.failed:
+        say(f"{sc.name}: last request error: {load.last_error}")
+    return Result(
+        sc.name, minutes, st["restarts"]["total"], st["restarts"]["by_reason"],
+        load.finished if load else 0, load.cancelled if load else 0, load.failed if load else 0,
+        benchlib.metric_sum(text, "vllm:request_params_max_tokens_bucket", le="1.0"),
+        benchlib.metric_sum(text, "vllm:request_success_total"),
+        benchlib.metric_sum(text, "vllm:num_preemptions_total"),
+        w, ready_s,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.add_argument("--minutes", type=float, default=float(os.environ.get(MINUTES_ENV) or 10), help=f"per run (default ${MINUTES_ENV} or 10)")
+    cli.add_argument("--scenario", choices=[s.name for s in SCENARIOS], action="append", help="run only this one (repeatable)")
+    args = cli.parse_args(argv)
+    if not benchlib.long_enabled():
+        print(f"bench_false_restarts skipped: 4 runs of {args.minutes:g} min on the real vLLM; set {benchlib.LONG_ENV}=1 to run it")
+        return 0
+    missing = benchlib.real_engine_missing()
+    if missing:
+        print(f"bench_false_restarts skipped: {missing}")
+        return 0
+    chosen = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="r3090d-false-") as tmp, benchlib.VllmLock():
+        tmp = Path(tmp)
+        for k, sc in enumerate(chosen):
+            where = tmp / f"run{k}"
+            where.mkdir()
+            results.append(run(sc, args.minutes, where))
+        wd = benchlib.watchdog_of(benchlib.real_config(tmp))
+    print(f"false restarts on the engine-bound CPU vLLM, shipped watchdog settings ({benchlib.describe_watchdog(wd)}):")
+    rows = []
+    for r in results:
+        w = r.watch
+        rows.append([
+            r.name, f"{r.minutes:g}", str(r.restarts), ",".join(f"{k}:{v}" for k, v in r.reasons.items()) or "-",
+            f"{r.finished}/{r.cancelled}/{r.failed}", f"{r.requests:.0f}", f"{r.probes:.0f}", f"{r.probes / r.minutes:.1f}",
+            f"{r.preemptions:.0f}", f"{w.max_running:.0f}/{w.max_waiting:.0f}", fmt(w.min_free_blocks, ".0f"),
+            f"{w.longest_quiet:.1f}", f"{w.slowest_probe:.2f}", str(w.probe_failures), ",".join(sorted(w.alerts)) or "-",
+        ])  # fmt: skip
+    print(benchlib.table(
+        ["scenario", "min", "restarts", "by reason", "load done/cancel/fail", "vLLM requests", "probes", "probes/min",
+         "preemptions", "max run/wait", "min free blk", f"longest quiet s (stall {wd.stall_seconds:g})",
+         f"slowest probe s (timeout {wd.probe_timeout:g})", "probe fails", "alerts firing"],
+        rows,
+    ))  # fmt: skip
+    if any(r.minutes * 60 < wd.kv_cooldown for r in results):
+        print(f"note: runs shorter than kv_cooldown ({wd.kv_cooldown:g} s) cannot show a KV restart: the rule is off until then")
+    bad = [r.name for r in results if r.restarts]
+    print("restarts: none" if not bad else f"restarts in: {', '.join(bad)} (FAILED: every run must have 0)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
