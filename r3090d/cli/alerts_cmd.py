@@ -1,5 +1,9 @@
 """`r3090ctl alerts test`: send one test alert on each channel, now, and say what happened.
 
+Alertmanager gets it on each configured URL as alertname="test", severity
+"info", with endsAt 5 minutes ahead: it shows, and routes, as a real alert
+would, then expires by itself.
+
 Exit codes (monitoring scheme): 0 every tested channel delivered; 2 at least one
 failed; 3 no channel is enabled, so nothing could be vouched for. A broken
 alerts section (unknown facility, unreadable SMTP password file, ...) is a
@@ -17,7 +21,7 @@ from r3090d.effectors import alerts
 
 @ctl.group("alerts")
 def alerts_group() -> None:
-    """Alert channels (syslog, email)."""
+    """Alert channels (syslog, email, Alertmanager)."""
 
 
 @alerts_group.command("test")
@@ -26,7 +30,7 @@ def alerts_group() -> None:
 @click.option(
     "--channel",
     "only",
-    type=click.Choice(["syslog", "email"]),
+    type=click.Choice(list(alerts.CHANNEL_KINDS)),
     multiple=True,
     help="test only this channel, even if it is disabled in the config (repeatable)",
 )
@@ -41,13 +45,14 @@ def test(config_path, instance, only, as_json) -> int:
         cfg.alerts, hostname=context.hostname, source=cfg.source, include_disabled=only
     )
     if only:
-        channels = [ch for ch in channels if ch.name in only]
+        channels = [ch for ch in channels if alerts.channel_kind(ch) in only]
     if not channels:
         if as_json:
             emit_json({"channels": [], "ok": False, "problem": "no alert channel is enabled"})
         else:
             click.echo(
-                f"{cfg.source}: no alert channel is enabled (set alerts.syslog.enabled or alerts.email.enabled)"
+                f"{cfg.source}: no alert channel is enabled "
+                "(set alerts.syslog.enabled, alerts.email.enabled or alerts.alertmanager.enabled)"
             )
         return exitcodes.UNKNOWN
     raised = alerts.make_test_alert(context)

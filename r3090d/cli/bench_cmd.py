@@ -17,9 +17,10 @@ from dataclasses import asdict
 
 import click
 
-from r3090d import exitcodes, loadgen
+from r3090d import exitcodes
 from r3090d.cli.common import UsageExit, config_option, ctl, instance_option
-from r3090d.plan import GB
+from r3090d.measure import loadgen
+from r3090d.measure.plan import GB
 
 EX_UNAVAILABLE = loadgen.EX_UNAVAILABLE
 
@@ -53,8 +54,8 @@ def tpot_floor(model_dir: str | None, bandwidth_gbs: float | None, card: str | N
     """The plan's TPOT floor for MBU, or None (with a note on stderr) when an input is missing."""
     if not model_dir:
         return None
-    from r3090d import plan as planmod
     from r3090d.cli import plan_cmd
+    from r3090d.measure import plan as planmod
 
     model = plan_cmd.read_model(model_dir)
     if model.measured_weight_bytes:

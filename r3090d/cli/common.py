@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import click
 
-from r3090d import __version__, exitcodes, journal
+from r3090d import __version__, exitcodes
 from r3090d import config as configmod
 from r3090d.config import ConfigError
+from r3090d.service import journal
 
 JSON_FLAG = "--json"
 

@@ -11,9 +11,10 @@ import time
 
 import click
 
-from r3090d import control, exitcodes, statusview
+from r3090d import exitcodes
 from r3090d.cli.common import UsageExit, config_option, ctl, emit_json, instance_option, load_config
 from r3090d.config import ConfigError
+from r3090d.service import control, statusview
 
 REQUEST_TIMEOUT_S = 15.0
 RELOAD_TIMEOUT_S = control.RELOAD_TIMEOUT_S + 5.0

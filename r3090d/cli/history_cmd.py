@@ -10,8 +10,9 @@ import json
 
 import click
 
-from r3090d import exitcodes, forensics, statusview
+from r3090d import exitcodes
 from r3090d.cli.common import UsageExit, config_option, ctl, emit_json, instance_option, load_config
+from r3090d.service import forensics, statusview
 
 LOG_TAIL_LINES = 25
 

@@ -17,12 +17,12 @@ import click
 
 from r3090d import config as configmod
 from r3090d import exitcodes
-from r3090d import plan as planmod
 from r3090d.cards import CARDS, card_for_name
 from r3090d.cli.common import UsageExit, config_option, ctl, emit_json, instance_option, load_config
 from r3090d.config import ConfigError
-from r3090d.model import GpuStatus
-from r3090d.plan import GB, GIB, MIB, PlanError
+from r3090d.core.snapshot import GpuStatus
+from r3090d.measure import plan as planmod
+from r3090d.measure.plan import GB, GIB, MIB, PlanError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ def read_model(path: str) -> ModelInputs:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise UsageExit(f"cannot read {path}: {exc}") from None
         return ModelInputs(_shape(config, path), None, "config.json only", str(p))
-    from r3090d import modelinfo
+    from r3090d.measure import modelinfo
 
     facts = modelinfo.read_model_dir(p)
     if not facts.is_dir:

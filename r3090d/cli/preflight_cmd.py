@@ -12,10 +12,10 @@ from pathlib import Path
 import click
 import psutil
 
-from r3090d import preflight as preflightmod
 from r3090d.cli.common import HealthCommand, config_option, ctl, emit_json, instance_option, load_config
 from r3090d.config import Config
-from r3090d.state import STATE_FILE, read_json
+from r3090d.preflight import checks as preflightmod
+from r3090d.service.state import STATE_FILE, read_json
 
 COLUMNS = ("name", "status", "measured", "expected", "hint")
 
@@ -54,7 +54,7 @@ def preflight(config_path, instance, as_json, own_pids) -> int:
     """Check the GPU, host, model and vLLM install; exit 0 ok, 1 warnings, 2 failures, 3 unknown."""
     # Missing model or python are reported as failed checks, not as config errors.
     cfg = load_config(config_path, instance, check_files=False)
-    from r3090d import preflight_facts
+    from r3090d.preflight import gather as preflight_facts
 
     pids = tuple(own_pids) + own_engine_pids(cfg)
     results = preflight_facts.run(cfg, pids)

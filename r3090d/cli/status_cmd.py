@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 import psutil
 
-from r3090d import control, exitcodes, statusview
+from r3090d import exitcodes
 from r3090d.cli.common import (
     CommandError,
     HealthCommand,
@@ -28,8 +28,9 @@ from r3090d.cli.common import (
     reader_gone,
 )
 from r3090d.config import ConfigError
-from r3090d.exporter import stale_after
-from r3090d.state import STATE_FILE
+from r3090d.service import control, statusview
+from r3090d.service.exporter import stale_after
+from r3090d.service.state import STATE_FILE
 
 STATUS_TIMEOUT_S = 5.0
 

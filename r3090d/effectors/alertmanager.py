@@ -305,7 +305,9 @@ class AlertmanagerChannel:
         self._token = token
         self._timeout = timeout
         self._clock = clock
-        self._client: httpx.Client | None = None
+        # Made here, on the caller's thread at start: loading a CA store holds the
+        # GIL for tens of milliseconds, which in the worker would stall submit().
+        self._client: httpx.Client | None = self._new_client()
 
     def __repr__(self) -> str:
         return f"AlertmanagerChannel({self.target})"
@@ -330,16 +332,15 @@ class AlertmanagerChannel:
         return ""
 
     def _http(self) -> httpx.Client:
-        if self._client is None:
-            # The system's CA store (not certifi's), so a site CA works; no proxy
-            # from the environment: alerts go where the config says.
-            self._client = httpx.Client(
-                timeout=httpx.Timeout(self._timeout),
-                verify=ssl.create_default_context(),
-                trust_env=False,
-                follow_redirects=False,
-            )
+        if self._client is None:  # closed, then used again
+            self._client = self._new_client()
         return self._client
+
+    def _new_client(self) -> httpx.Client:
+        # https: the system's CA store (not certifi's), so a site CA works. No proxy
+        # from the environment: alerts go where the config says.
+        verify: ssl.SSLContext | bool = ssl.create_default_context() if self.url.startswith("https:") else False
+        return httpx.Client(timeout=httpx.Timeout(self._timeout), verify=verify, trust_env=False, follow_redirects=False)
 
     def redact(self, text: str) -> str:
         return text.replace(self._token, "<redacted>") if self._token else text
@@ -620,7 +621,7 @@ class AlertmanagerFeed:
         try:
             if not self._path.parent.is_dir():
                 raise FileNotFoundError(f"{self._path.parent} does not exist")
-            write_atomic(self._path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+            write_atomic(self._path, json.dumps(doc, indent=1) + "\n")  # labels keep their order
         except OSError as exc:
             reason = f"cannot write {self._path}: {exc.strerror or exc}"
             if reason != self._write_failure:  # one warning per distinct failure

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from r3090d.config import AlertsConfig, Config, ConfigError, EmailConfig, SyslogConfig
-from r3090d.model import SendAlert
+from r3090d.core.actions import SendAlert
 
 if TYPE_CHECKING:  # the Alertmanager module imports this one; at run time it is imported where used
     from r3090d.effectors.alertmanager import AlertmanagerFeed, Firing

@@ -23,8 +23,8 @@ import time
 
 import psutil
 
-from r3090d.model import ChildSample
-from r3090d.rootcause import root_cause
+from r3090d.core.rootcause import root_cause
+from r3090d.core.snapshot import ChildSample
 
 log = logging.getLogger("r3090d.engine")
 
@@ -142,7 +142,7 @@ class EngineProcess:
         threading.Thread(target=self._wait_exit, args=(proc, generation), name="engine-waiter", daemon=True).start()
 
     def _read_output(self, proc: subprocess.Popen) -> None:
-        from r3090d.journal import VLLM_LOGGER, VllmLineClassifier
+        from r3090d.service.journal import VLLM_LOGGER, VllmLineClassifier
 
         assert proc.stdout is not None
         # Relayed at vLLM's own level, so the journal stores an EngineCore traceback

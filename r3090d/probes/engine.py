@@ -30,7 +30,7 @@ import requests
 import urllib3.exceptions
 from prometheus_client.parser import text_string_to_metric_families
 
-from r3090d.model import EngineSample, HealthSample, HealthStatus
+from r3090d.core.snapshot import EngineSample, HealthSample, HealthStatus
 from r3090d.probes.http import engine_session
 
 MAX_METRICS_BYTES = 8 * 1024 * 1024

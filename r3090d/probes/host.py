@@ -14,8 +14,8 @@ from pathlib import Path
 
 import psutil
 
-from r3090d.model import HostFacts, PortFacts, PortHolder
-from r3090d.modelinfo import read_model_dir
+from r3090d.core.snapshot import HostFacts, PortFacts, PortHolder
+from r3090d.measure.modelinfo import read_model_dir
 
 # Connections a server's port can carry after its listener is gone (accepted
 # sockets still open or closing). They keep a plain bind() out, but not the

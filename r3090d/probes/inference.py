@@ -15,7 +15,7 @@ import time
 
 import requests
 
-from r3090d.model import InferenceProbeSample
+from r3090d.core.snapshot import InferenceProbeSample
 from r3090d.probes.http import engine_session
 
 _MAX_DETAIL = 200

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from r3090d.model import GpuProcess, GpuSample, GpuStatus
+from r3090d.core.snapshot import GpuProcess, GpuSample, GpuStatus
 
 # NVML return codes by the suffix of pynvml's NVML_ERROR_<NAME> constants.
 NOT_AVAILABLE_ERRORS = frozenset({"NOT_SUPPORTED", "FUNCTION_NOT_FOUND", "NO_DATA"})

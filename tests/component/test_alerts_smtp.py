@@ -33,9 +33,9 @@ from aiosmtpd.smtp import AuthResult, LoginPassword
 
 from r3090d import exitcodes
 from r3090d.config import AlertsConfig, Config, ConfigError, EmailConfig, GpuConfig, SyslogConfig
+from r3090d.core.actions import SendAlert
 from r3090d.effectors import alerts
 from r3090d.effectors.alerts import AlertContext, AlertDispatcher
-from r3090d.model import SendAlert
 from tests.daemon_harness import bind_unix_dgram
 
 pytestmark = [

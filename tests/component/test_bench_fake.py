@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from r3090d import loadgen
+from r3090d.measure import loadgen
 from r3090d.probes import engine as engine_probe
 
 pytestmark = pytest.mark.component

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from r3090d import control
+from r3090d.service import control
 from tests.ctl_harness import wait_until
 
 pytestmark = pytest.mark.component

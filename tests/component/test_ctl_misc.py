@@ -10,7 +10,8 @@ import subprocess
 import psutil
 import pytest
 
-from r3090d import control, exitcodes
+from r3090d import exitcodes
+from r3090d.service import control
 from tests.ctl_harness import CTL, ctl, ctl_json, wait_until
 
 pytestmark = pytest.mark.component

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from r3090d.model import HealthStatus
+from r3090d.core.snapshot import HealthStatus
 from r3090d.probes import inference
 from r3090d.probes.engine import EngineProbe, fetch_metrics, probe_health
 from r3090d.probes.inference import InferenceProber

@@ -22,9 +22,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from r3090d import control, exporter
-from r3090d.model import Phase, RestartReason
+from r3090d.core.vocabulary import Phase, RestartReason
 from r3090d.probes.nvml import clock_reason_table, load_pynvml
+from r3090d.service import control, exporter
 
 pytestmark = pytest.mark.component
 

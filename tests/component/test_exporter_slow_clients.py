@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from r3090d import exporter
+from r3090d.service import exporter
 from tests.ctl_harness import wait_until
 
 pytestmark = pytest.mark.component

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from r3090d import loadgen
+from r3090d.measure import loadgen
 
 pytestmark = pytest.mark.component
 

@@ -26,7 +26,7 @@ import httpx
 import psutil
 import pytest
 
-from r3090d import exporter, forensics
+from r3090d.service import exporter, forensics
 from tests.daemon_harness import DaemonProcess, engine_config, free_port, wait_until, write_config
 from tests.fakevllm.harness import sse_events
 

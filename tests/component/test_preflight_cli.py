@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from r3090d.model import GpuStatus
+from r3090d.core.snapshot import GpuStatus
 from r3090d.probes.nvml import read_gpu
 
 pytestmark = pytest.mark.component

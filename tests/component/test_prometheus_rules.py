@@ -26,7 +26,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from r3090d import control, exporter
+from r3090d.service import control, exporter
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "etc" / "prometheus-rules.yml"

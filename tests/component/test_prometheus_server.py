@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from r3090d import control
+from r3090d.service import control
 from tests.daemon_harness import free_port
 
 pytestmark = pytest.mark.component

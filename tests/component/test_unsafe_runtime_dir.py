@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from r3090d import control
+from r3090d.service import control
 
 pytestmark = pytest.mark.component
 

@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3090d import alerting
-from r3090d.alerting import AlertBook
 from r3090d.config import AlertsConfig, Config
-from r3090d.model import SendAlert
-from r3090d.rules import Condition
-from r3090d.state import book_from_json, book_to_json
+from r3090d.core import alerting
+from r3090d.core.actions import SendAlert
+from r3090d.core.alerting import AlertBook
+from r3090d.core.rules import Condition
+from r3090d.service.state import book_from_json, book_to_json
 
 POLL = 2.0  # seconds between polls, as the daemon's default
 FIRING_TEXT = "KV cache full under load: 0 free blocks, 12 running, 30 waiting"

@@ -10,9 +10,9 @@ from email.policy import default as default_policy
 import pytest
 
 from r3090d.config import AlertsConfig, ConfigError, EmailConfig, SyslogConfig
+from r3090d.core.actions import SendAlert
 from r3090d.effectors import alerts
 from r3090d.effectors.alerts import AlertContext, RaisedAlert
-from r3090d.model import SendAlert
 
 CTX = AlertContext(hostname="box", gpu_index=1, gpu_name="NVIDIA GeForce RTX 3090", instance=1)
 WALL = 1_800_000_000.0  # 2027-01-15 08:00:00 UTC

@@ -82,9 +82,16 @@ TEXTS = st.one_of(
     # A lone surrogate (only from_dict can carry one), line breaks, a BOM, an escape sequence.
     st.sampled_from(["\ud800", "a\udcff", "a\u2028b", "\ufeffx", "🙂", "\x1b[31m", "e\u0301", "a\nb", "a\rb"]),
 )
+NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])
 DATES = st.one_of(st.dates(), st.datetimes(), st.times(), st.datetimes(timezones=st.just(datetime.UTC)))
 SCALARS = st.one_of(st.booleans(), INTS, FLOATS, TEXTS, DATES)
 ODD_KEYS = st.one_of(st.text(max_size=8), st.sampled_from(["", "a b", "ключ", "x" * 300, "a\nb", "a=b", "a.b"]))
+
+
+def weighted(*choices: tuple[int, st.SearchStrategy]) -> st.SearchStrategy:
+    """One of the strategies, by weight. (st.one_of flattens nested one_ofs, so
+    a branch's share there is its count of leaf strategies, not 1/n.)"""
+    return st.sampled_from([strategy for weight, strategy in choices for _ in range(weight)]).flatmap(lambda strategy: strategy)
 
 
 def _nest(depth: int, leaf, as_table: bool):
@@ -137,7 +144,7 @@ def _table(cls) -> st.SearchStrategy:
     for f in fields:
         hint = hints[f.name]
         typed = _table(hint) if dataclasses.is_dataclass(hint) else _typed(f, hint)
-        optional[f.name] = st.one_of(typed, typed, typed, ANY)
+        optional[f.name] = weighted((3, typed), (1, ANY))
     if cls is configmod.WatchdogConfig:
         optional.update({k: st.one_of(INTS, FLOATS, st.floats(1, 1000), ANY) for k in REMOVED_WATCHDOG_KEYS})
     names = [f.name for f in fields]
@@ -157,13 +164,65 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def _leaves(cls, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], st.SearchStrategy]]:
+    """Every key of the schema as a path, with the values to try there."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name in configmod.DERIVED_FIELDS:
+            continue
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            out += _leaves(hint, (*prefix, f.name))
+            out.append(((*prefix, f.name), ANY))  # the whole section replaced
+            continue
+        if f.name == "profiles":
+            for name in ("realtime", "batch", "mine"):
+                out += _leaves(configmod.Profile, (*prefix, f.name, name))
+        typed = _typed(f, hint)
+        if f.default is not dataclasses.MISSING:  # the default keeps the rest of the document valid
+            typed = weighted((1, st.just(f.default)), (2, typed))
+        out.append(((*prefix, f.name), weighted((6, typed), (2, NON_FINITE), (1, FLOATS), (1, SCALARS), (1, ANY))))
+    if cls is configmod.WatchdogConfig:
+        old_values = weighted((3, st.integers(0, 1001)), (3, st.floats(0, 1e6)), (1, NON_FINITE), (1, FLOATS), (1, ANY))
+        out += [((*prefix, k), old_values) for k in REMOVED_WATCHDOG_KEYS]
+    return out
+
+
+LEAVES = _leaves(Config)
+
+
+def _set(doc: dict, path: tuple[str, ...], value) -> dict:
+    head, *rest = path
+    inner = doc.get(head)
+    return {**doc, head: _set(inner if isinstance(inner, dict) else {}, tuple(rest), value) if rest else value}
+
+
+def _mutations(leaf) -> st.SearchStrategy:
+    path, values = leaf
+    return values.map(lambda value: (path, value))
+
+
 # A valid core, so that most documents reach the cross-key checks and not only the type checks.
 VALID_CORE = {"profile": "none", "engine": {"model": "m"}, "gpu": {"required": False}}
-DOCUMENTS = st.one_of(
-    _table(Config).map(lambda doc: _merge(VALID_CORE, doc)),
-    _table(Config).map(lambda doc: _merge(VALID_CORE, doc)),
-    _table(Config),
-    ANY,
+# The core with one or two keys set to anything: a single NaN, a single bad
+# list item, must not slip through on an otherwise valid document.
+MUTATED = st.lists(st.sampled_from(LEAVES).flatmap(_mutations), min_size=1, max_size=2).map(
+    lambda changes: _apply(VALID_CORE, changes)
+)
+
+
+def _apply(doc: dict, changes) -> dict:
+    for path, value in changes:
+        doc = _set(doc, path, value)
+    return doc
+
+
+DOCUMENTS = weighted(
+    (5, MUTATED),
+    (2, _table(Config).map(lambda doc: _merge(VALID_CORE, doc))),
+    (1, _table(Config)),
+    (1, ANY),
 )
 
 # ---------------------------------------------------------------- checking

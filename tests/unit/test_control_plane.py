@@ -6,7 +6,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from r3090d import control, exitcodes, exporter, statusview
+from r3090d import exitcodes
+from r3090d.service import control, exporter, statusview
 
 NOW = 1_800_000_000.0
 

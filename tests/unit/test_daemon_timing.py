@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from r3090d import config
-from r3090d.daemon import Daemon
+from r3090d.service.daemon import Daemon
 
 
 def make(monkeypatch, tmp_path, usec: str | None, **watchdog) -> Daemon:

@@ -7,20 +7,19 @@ requests would still be routed to an engine that is already stopping.
 
 from __future__ import annotations
 
-from r3090d import config, policy
-from r3090d.model import (
+from r3090d import config
+from r3090d.core import policy
+from r3090d.core.actions import SendAlert, StartEngine, StopEngine
+from r3090d.core.policy import Phase
+from r3090d.core.snapshot import (
     ChildSample,
     EngineSample,
     GpuSample,
     GpuStatus,
     HealthSample,
     HealthStatus,
-    SendAlert,
     Snapshot,
-    StartEngine,
-    StopEngine,
 )
-from r3090d.policy import Phase
 
 OK = HealthSample(HealthStatus.OK, 200)
 

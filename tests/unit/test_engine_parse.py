@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from r3090d.model import EngineSample
+from r3090d.core.snapshot import EngineSample
 from r3090d.probes import engine
 from r3090d.probes.engine import parse
 

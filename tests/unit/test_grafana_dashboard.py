@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from r3090d.config import WatchdogConfig
-from r3090d.exporter import Exporter
-from r3090d.model import Phase
+from r3090d.core.vocabulary import Phase
+from r3090d.service.exporter import Exporter
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "etc" / "grafana" / "r3090d.json"
 DATASOURCE_UID = "${DS_PROMETHEUS}"

@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from r3090d import config
-from r3090d.model import HostFacts
-from r3090d.preflight import Status, check_governor, check_port, check_swap, check_swappiness
+from r3090d.core.snapshot import HostFacts
+from r3090d.preflight.checks import Status, check_governor, check_port, check_swap, check_swappiness
 from r3090d.probes import host
 
 SWAPS_HEADER = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n"

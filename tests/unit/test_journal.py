@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3090d import daemon, journal
 from r3090d.effectors.child import EngineProcess
-from r3090d.journal import MAX_TRACEBACK_LINES, Priority, VllmLineClassifier
+from r3090d.service import daemon, journal
+from r3090d.service.journal import MAX_TRACEBACK_LINES, Priority, VllmLineClassifier
 
 E, W, N, D = Priority.ERR, Priority.WARNING, Priority.INFO, Priority.DEBUG  # N: normal (info)
 CAUSE = "ValueError: To serve at least one request with the model's max seq len (4096), 0.05 GiB KV cache is needed"

@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from r3090d import loadgen
-from r3090d.loadgen import Dist, RequestResult
+from r3090d.measure import loadgen
+from r3090d.measure.loadgen import Dist, RequestResult
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from r3090d.modelinfo import SAFETENSORS_INDEX, read_model_dir, read_safetensors_header
+from r3090d.measure.modelinfo import SAFETENSORS_INDEX, read_model_dir, read_safetensors_header
 
 ELEMENT_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I8": 1, "U8": 1}
 QWEN_CONFIG = json.loads((Path(__file__).parents[1] / "data" / "qwen2.5-7b-config.json").read_text())

@@ -18,7 +18,7 @@ import pynvml as real
 import pytest
 
 from r3090d.config import WatchdogConfig
-from r3090d.model import GpuStatus
+from r3090d.core.snapshot import GpuStatus
 from r3090d.probes import nvml as probe
 
 PACKAGE = Path(probe.__file__).resolve().parents[1]

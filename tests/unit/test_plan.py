@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from r3090d import cards, plan
-from r3090d.plan import GB, GIB, Hardware, PlanError, Settings
+from r3090d import cards
+from r3090d.measure import plan
+from r3090d.measure.plan import GB, GIB, Hardware, PlanError, Settings
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 QWEN = json.loads((DATA / "qwen2.5-7b-config.json").read_text())

@@ -8,25 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from r3090d import alerting, config, exitcodes, policy, rules
-from r3090d.model import (
+from r3090d import config, exitcodes
+from r3090d.core import alerting, policy, rules
+from r3090d.core.actions import Exit, RecordRestart, SendAlert, SendInferenceProbe, StartEngine, StopEngine
+from r3090d.core.policy import Phase
+from r3090d.core.snapshot import (
     ChildSample,
     EngineSample,
-    Exit,
     GpuProcess,
     GpuSample,
     GpuStatus,
     HealthSample,
     HealthStatus,
     InferenceProbeSample,
-    RecordRestart,
-    SendAlert,
-    SendInferenceProbe,
     Snapshot,
-    StartEngine,
-    StopEngine,
 )
-from r3090d.policy import Phase
 
 MIB = 1024 * 1024
 
@@ -75,10 +71,11 @@ def ready_state(c, now=0.0):
 
 def test_policy_imports_no_io():
     forbidden = {"os", "time", "subprocess", "socket", "requests", "pynvml", "psutil", "smtplib", "threading", "urllib", "http"}
-    for name in ("policy.py", "rules.py", "alerting.py", "preflight.py", "plan.py"):
-        path = Path(__file__).resolve().parents[2] / "r3090d" / name
-        if not path.exists():
-            continue
+    package = Path(__file__).resolve().parents[2] / "r3090d"
+    pure = sorted((package / "core").glob("*.py")) + [package / "preflight" / "checks.py", package / "measure" / "plan.py"]
+    assert len(pure) >= 8 and all(p.exists() for p in pure), pure
+    for path in pure:
+        name = str(path.relative_to(package))
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             mods = []
@@ -259,7 +256,7 @@ def given_up_state(c):
 
 
 def test_given_up_stays_up_until_an_operator_restart_then_resolves_on_ready():
-    from r3090d.model import RestartKind
+    from r3090d.core.vocabulary import RestartKind
 
     c = cfg(start_failures=1, backoff_initial=0.0, backoff_max=0.0)
     st = given_up_state(c)
@@ -457,7 +454,7 @@ def test_gpu_memory_alert_fire_remind_resolve():
 
 
 def test_alert_book_survives_a_restart_of_the_daemon():
-    from r3090d.state import book_from_json, book_to_json
+    from r3090d.service.state import book_from_json, book_to_json
 
     c = cfg(gpu_required=True, gpu_memory_alert_mib=1000, alerts={"hysteresis_polls": 1, "reminder_interval": 3600.0})
     st = ready_state(c)

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from r3090d import cards, config, preflight
-from r3090d.model import GpuProcess, GpuSample, GpuStatus, HostFacts, PortFacts, PortHolder
-from r3090d.modelinfo import ModelFacts, WeightFile
-from r3090d.preflight import PreflightFacts, Status, exit_code, failures, run_checks
+from r3090d import cards, config
+from r3090d.core.snapshot import GpuProcess, GpuSample, GpuStatus, HostFacts, PortFacts, PortHolder
+from r3090d.measure.modelinfo import ModelFacts, WeightFile
+from r3090d.preflight import checks as preflight
+from r3090d.preflight.checks import PreflightFacts, Status, exit_code, failures, run_checks
 
 MIB = 1024**2
 GIB = 1024**3

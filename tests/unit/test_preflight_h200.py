@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from r3090d import config
-from r3090d.model import GpuStatus, HostFacts, PortFacts
-from r3090d.modelinfo import ModelFacts
-from r3090d.preflight import PreflightFacts, Status, run_checks
+from r3090d.core.snapshot import GpuStatus, HostFacts, PortFacts
+from r3090d.measure.modelinfo import ModelFacts
+from r3090d.preflight.checks import PreflightFacts, Status, run_checks
 from r3090d.probes.nvml import sample_from_dict
 
 DATA = Path(__file__).parents[1] / "data"

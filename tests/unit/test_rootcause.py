@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from r3090d.rootcause import MAX_CHARS, root_cause
+from r3090d.core.rootcause import MAX_CHARS, root_cause
 
 CAUSE = (
     "ValueError: To serve at least one request with the model's max seq len (1024), (0.05 GiB KV cache is needed, "

@@ -7,8 +7,8 @@ import pwd
 
 import pytest
 
-from r3090d import safedir
-from r3090d.safedir import DirFacts
+from r3090d.service import safedir
+from r3090d.service.safedir import DirFacts
 
 ME = 1000
 KEY = "daemon.runtime_dir"

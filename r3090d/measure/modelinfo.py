@@ -6,7 +6,7 @@ safetensors file's *header* (8 bytes of length, then a JSON table); tensor
 data is never read, so sizing a 15 GB model costs a few kilobytes of I/O.
 
 The arithmetic over these facts (KV bytes per token, weight estimates for
-a config-only directory, KV capacity) lives in r3090d.plan, which is pure.
+a config-only directory, KV capacity) lives in r3090d.measure.plan, which is pure.
 
 Which weight files count: with `model.safetensors.index.json` present, only
 the shards its `weight_map` names (some repositories also ship a

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from r3090d.alerting import AlertBook, AlertEntry
+from r3090d.core.alerting import AlertBook, AlertEntry
 
 STATE_FILE = "state.json"
 FORMAT_VERSION = 1

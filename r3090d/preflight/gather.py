@@ -1,4 +1,4 @@
-"""Collect the facts preflight judges: the impure half of r3090d.preflight."""
+"""Collect the facts preflight judges: the impure half of r3090d.preflight.checks."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import psutil
 
 from r3090d import argv as argvmod
 from r3090d.config import Config
-from r3090d.model import GpuSample, GpuStatus
-from r3090d.preflight import CheckResult, PreflightFacts, run_checks
+from r3090d.core.snapshot import GpuSample, GpuStatus
+from r3090d.preflight.checks import CheckResult, PreflightFacts, run_checks
 from r3090d.probes import nvml as nvmlprobe
 from r3090d.probes.host import gather_host
 

@@ -6,7 +6,7 @@ import re
 import time
 from pathlib import Path
 
-from r3090d.state import plain, read_json, write_json_atomic
+from r3090d.service.state import plain, read_json, write_json_atomic
 
 KEEP = 10
 RECORD_GLOB = "restart-*.json"

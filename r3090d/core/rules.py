@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from r3090d.config import MIB, Config
-from r3090d.model import GpuStatus, HealthStatus, Phase, RestartReason, Snapshot
+from r3090d.core.snapshot import GpuStatus, HealthStatus, Snapshot
+from r3090d.core.vocabulary import Phase, RestartReason
 
 
 @dataclass(frozen=True)

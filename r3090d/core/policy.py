@@ -26,21 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from r3090d import alerting, exitcodes, rules
+from r3090d import exitcodes
 from r3090d.config import Config
-from r3090d.model import (
-    Action,
-    Exit,
-    HealthStatus,
-    Phase,
-    RecordRestart,
-    RestartKind,
-    RestartReason,
-    SendInferenceProbe,
-    Snapshot,
-    StartEngine,
-    StopEngine,
-)
+from r3090d.core import alerting, rules
+from r3090d.core.actions import Action, Exit, RecordRestart, SendInferenceProbe, StartEngine, StopEngine
+from r3090d.core.snapshot import HealthStatus, Snapshot
+from r3090d.core.vocabulary import Phase, RestartKind, RestartReason
 
 # How long to wait for NVML to stop listing processes of the old tree once
 # psutil says they are gone, before starting the new engine anyway.

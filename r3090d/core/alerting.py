@@ -30,8 +30,8 @@ import enum
 from dataclasses import dataclass, replace
 
 from r3090d.config import AlertsConfig, Config
-from r3090d.model import SendAlert
-from r3090d.rules import Condition
+from r3090d.core.actions import SendAlert
+from r3090d.core.rules import Condition
 
 KV_PRESSURE = "kv_pressure"  # the key with its own resolve hold
 

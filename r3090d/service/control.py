@@ -9,7 +9,7 @@ changes of state still happen in the loop's one thread.
 
 Access is the socket file's: mode 0660, group = the daemon's own group, in a
 directory systemd's RuntimeDirectory= makes. Neither the server nor the client
-uses a directory that others could write to (r3090d.safedir): whoever can
+uses a directory that others could write to (r3090d.service.safedir): whoever can
 replace the socket can answer for the daemon. Requests that change anything are
 logged with the peer's uid and pid (SO_PEERCRED).
 
@@ -42,9 +42,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from r3090d import safedir
+from r3090d.service import safedir
 
-log = logging.getLogger("r3090d.control")
+log = logging.getLogger("r3090d.service.control")
 
 SOCKET_NAME = "control.sock"
 RUNTIME_DIR_KEY = "daemon.runtime_dir"
@@ -612,7 +612,7 @@ def start_plane(daemon) -> ControlPlane:
     A failure to start either is logged and the daemon goes on supervising:
     keeping the engine up matters more than being able to talk about it.
     """
-    from r3090d.exporter import Exporter
+    from r3090d.service.exporter import Exporter
 
     servers: list = []
     dc = daemon.cfg.daemon

@@ -19,34 +19,23 @@ import threading
 import time
 from pathlib import Path
 
-from r3090d import __version__, exitcodes, forensics, policy, safedir
+from r3090d import __version__, exitcodes
 from r3090d import argv as argvmod
 from r3090d import config as configmod
 from r3090d.config import MIB, Config, ConfigError
-from r3090d.control import start_plane
+from r3090d.core import policy
+from r3090d.core.actions import Exit, RecordRestart, SendAlert, SendInferenceProbe, StartEngine, StopEngine
+from r3090d.core.snapshot import EngineSample, GpuSample, GpuStatus, HealthSample, HealthStatus, Snapshot
+from r3090d.core.vocabulary import Phase, RestartKind
 from r3090d.effectors.child import DRAIN_MARGIN_S, EngineProcess
 from r3090d.effectors.reaper import ChildReaper
 from r3090d.effectors.systemd import Notifier
-from r3090d.exporter import TickStats
-from r3090d.model import (
-    EngineSample,
-    Exit,
-    GpuSample,
-    GpuStatus,
-    HealthSample,
-    HealthStatus,
-    Phase,
-    RecordRestart,
-    RestartKind,
-    SendAlert,
-    SendInferenceProbe,
-    Snapshot,
-    StartEngine,
-    StopEngine,
-)
 from r3090d.probes.engine import EngineProbe
 from r3090d.probes.inference import InferenceProber
-from r3090d.state import (
+from r3090d.service import forensics, safedir
+from r3090d.service.control import start_plane
+from r3090d.service.exporter import TickStats
+from r3090d.service.state import (
     STATE_FILE,
     book_from_json,
     book_to_json,
@@ -63,7 +52,7 @@ STARTING_POLL_S = 0.1
 
 
 def setup_logging() -> None:
-    from r3090d import journal
+    from r3090d.service import journal
 
     # The journal stamps each line and wants its priority as a "<N>" prefix;
     # a terminal or a file gets a time stamp instead. JOURNAL_STREAM alone is not
@@ -324,8 +313,8 @@ class Daemon:
         (port busy, VRAM still held by a dying process) is re-checked until
         preflight.transient_give_up_s, then exits 75 so systemd tries again later.
         """
-        from r3090d import preflight as checks
-        from r3090d import preflight_facts
+        from r3090d.preflight import checks
+        from r3090d.preflight import gather as preflight_facts
 
         pf = self.cfg.preflight
         deadline = time.monotonic() + pf.transient_give_up_s

@@ -40,9 +40,9 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
 
-from r3090d.model import Phase, RestartReason
+from r3090d.core.vocabulary import Phase, RestartReason
 
-log = logging.getLogger("r3090d.exporter")
+log = logging.getLogger("r3090d.service.exporter")
 
 POLL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 STALE_MIN_S = 10.0  # /healthz: state older than max(this, STALE_POLLS x poll_interval) means a stuck loop

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from r3090d.modelinfo import ModelFacts
+    from r3090d.core.vocabulary import RestartKind
+    from r3090d.measure.modelinfo import ModelFacts
 
 
 # --------------------------------------------------------------------------- GPU
@@ -210,87 +211,3 @@ class Snapshot:
     restart_requested: RestartKind | None = None
     maintenance: bool | None = None  # None = no change requested
     silences: tuple[tuple[str, float], ...] = ()  # (alert key, seconds from now)
-
-
-# ----------------------------------------------------------------------- phases
-
-
-class Phase(enum.StrEnum):
-    """The engine's lifecycle as the policy tracks it; the values are the state file's and the exporter's text."""
-
-    STOPPED = "stopped"
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"  # a drained restart in progress: the engine still finishes its streams
-    RESTARTING = "restarting"  # the old tree is being stopped
-    BACKOFF = "backoff"
-    GIVEN_UP = "given-up"
-    SHUTTING_DOWN = "shutting-down"
-
-
-# ----------------------------------------------------------------------- actions
-
-
-class RestartKind(enum.StrEnum):
-    """How a restart was asked for."""
-
-    DRAIN = "drain"  # operator: let streams finish and the load balancer leave first
-    FAST = "fast"  # operator: stop at once
-    CONFIG = "config"  # a reload changed the engine's settings: drained, and never a cold start after a give-up
-
-
-class RestartReason(enum.StrEnum):
-    """Why the engine was restarted: the exporter's label values and the records' `reason`."""
-
-    EXITED = "exited"  # the engine exited without being asked to
-    SPAWN_FAILED = "spawn_failed"  # the engine's python could not be started
-    STARTUP_TIMEOUT = "startup_timeout"  # /health never answered 200 within engine.startup_timeout
-    DEAD = "dead"  # /health refused for dead_refused_polls polls, or answered 503
-    HUNG = "hung"  # /health timing out for hang_timeout
-    STALLED = "stalled"  # requests running and no progress, or the inference probe failing
-    KV = "kv"  # the KV cache ran out and did not recover
-    GPU_IDLE = "gpu_idle"  # requests running, and the GPU (its sole user the engine) idle
-    REQUESTED = "requested"  # r3090ctl restart, or a reload that changed the engine's settings
-
-
-@dataclass(frozen=True)
-class StartEngine:
-    reason: str
-
-
-@dataclass(frozen=True)
-class StopEngine:
-    drain: bool
-    reason: str
-
-
-@dataclass(frozen=True)
-class SendAlert:
-    key: str
-    severity: str  # "info" | "warning" | "critical"
-    state: str  # "firing" | "reminder" | "resolved"
-    summary: str  # one line: the syslog message and the email subject's tail
-    detail: str = ""  # optional longer text for the email body (evidence, numbers, hints)
-
-
-@dataclass(frozen=True)
-class RecordRestart:
-    """Write a restart forensics record."""
-
-    reason: str
-    detail: str
-    root_cause: str | None = None
-
-
-@dataclass(frozen=True)
-class SendInferenceProbe:
-    pass
-
-
-@dataclass(frozen=True)
-class Exit:
-    code: int
-    reason: str
-
-
-Action = StartEngine | StopEngine | SendAlert | RecordRestart | SendInferenceProbe | Exit

@@ -1,6 +1,6 @@
 """Preflight verdicts: pure functions from gathered facts to CheckResults.
 
-No I/O here: `r3090d.preflight_facts.gather()` collects a PreflightFacts
+No I/O here: `r3090d.preflight.gather.gather()` collects a PreflightFacts
 (one NVML reading, /proc and /sys, the port, the model directory, the
 engine's vLLM version) and `run_checks()` judges it against the config.
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from r3090d import exitcodes
 from r3090d.cards import CARDS, CardProfile
 from r3090d.config import Config
-from r3090d.model import GpuSample, GpuStatus, HostFacts
-from r3090d.plan import PlanError, estimate_weights, kv_bytes_per_token, shape_from_config
+from r3090d.core.snapshot import GpuSample, GpuStatus, HostFacts
+from r3090d.measure.plan import PlanError, estimate_weights, kv_bytes_per_token, shape_from_config
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB

@@ -1,0 +1,44 @@
+"""The core's vocabulary: phases, restart reasons and how a restart was asked for.
+
+str-valued, so the state file, the exporter's labels and the CLI keep their text,
+and derive their lists from here instead of spelling the strings again.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Phase(enum.StrEnum):
+    """The engine's lifecycle as the policy tracks it; the values are the state file's and the exporter's text."""
+
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"  # a drained restart in progress: the engine still finishes its streams
+    RESTARTING = "restarting"  # the old tree is being stopped
+    BACKOFF = "backoff"
+    GIVEN_UP = "given-up"
+    SHUTTING_DOWN = "shutting-down"
+
+
+class RestartKind(enum.StrEnum):
+    """How a restart was asked for."""
+
+    DRAIN = "drain"  # operator: let streams finish and the load balancer leave first
+    FAST = "fast"  # operator: stop at once
+    CONFIG = "config"  # a reload changed the engine's settings: drained, and never a cold start after a give-up
+
+
+class RestartReason(enum.StrEnum):
+    """Why the engine was restarted: the exporter's label values and the records' `reason`."""
+
+    EXITED = "exited"  # the engine exited without being asked to
+    SPAWN_FAILED = "spawn_failed"  # the engine's python could not be started
+    STARTUP_TIMEOUT = "startup_timeout"  # /health never answered 200 within engine.startup_timeout
+    DEAD = "dead"  # /health refused for dead_refused_polls polls, or answered 503
+    HUNG = "hung"  # /health timing out for hang_timeout
+    STALLED = "stalled"  # requests running and no progress, or the inference probe failing
+    KV = "kv"  # the KV cache ran out and did not recover
+    GPU_IDLE = "gpu_idle"  # requests running, and the GPU (its sole user the engine) idle
+    REQUESTED = "requested"  # r3090ctl restart, or a reload that changed the engine's settings

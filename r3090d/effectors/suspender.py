@@ -1,0 +1,268 @@
+"""Lend the GPU and take it back: suspend the engine through the driver's process checkpoint.
+
+The daemon's side. Each operation runs in a fresh helper process
+(r3090d.effectors.suspender_worker), started and read by a thread, so neither
+cuInit nor a driver call stuck in D state ever touches the daemon's loop. The
+loop reads a frozen `SuspendSample` each tick, as it reads the inference probe.
+
+A suspended engine keeps its process and its host memory (its GPU bytes move
+into it: RSS grows by the VRAM it held); only its GPU memory is given back.
+The pure checks the policy needs before acting live here too: which engine
+process to checkpoint (`pick_target`) and whether the GPU has room to take it
+back (`can_resume`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from r3090d.effectors.checkpoint import ProcessState, Step
+from r3090d.effectors.suspender_worker import DONE, Command, Line, Op, Outcome
+
+WORKER_MODULE = "r3090d.effectors.suspender_worker"
+# A checkpoint moves GPU memory to host at 2-3 GB/s (15.3 GB in 6.3-6.9 s on an H200):
+# a 24 GB card takes about 10 s. Past this an operation is reported overdue, not abandoned:
+# its late result still counts, since a late checkpoint still leaves the engine suspended.
+DEFAULT_DEADLINE_S = 120.0
+RESUME_MARGIN_BYTES = 512 * 1024 * 1024  # headroom for the restored process's context and allocator
+_MAX_ERROR = 300
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: Step
+    ok: bool
+    took_s: float
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class SuspendSample:
+    """The latest (or current) suspend/resume operation, as the loop sees it."""
+
+    op: Op | None = None  # None: nothing was ever asked
+    pid: int | None = None
+    in_flight: bool = False
+    started_at: float | None = None  # monotonic, when the operation was asked for
+    finished_at: float | None = None
+    step: Step | None = None  # the step under way, or the last one that ran
+    step_started_at: float | None = None  # monotonic, as this process saw the step begin
+    steps: tuple[StepResult, ...] = ()  # the steps that ended, in order, with the worker's timings
+    outcome: Outcome | None = None  # None while in flight
+    state: ProcessState | None = None  # the driver's last word on the pid's state
+    error: str = ""  # the last error, one line
+    overdue: bool = False  # in flight past the deadline: a driver call may be stuck
+
+    def took(self, step: Step) -> float | None:
+        """Seconds the last run of `step` took in the worker, or None if it did not end."""
+        for result in reversed(self.steps):
+            if result.step is step:
+                return result.took_s
+        return None
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return self.finished_at - self.started_at
+
+
+class _Holder(Protocol):
+    pid: int
+    used_bytes: int | None
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def can_resume(free_bytes: int | None, needed_bytes: int, margin: int = RESUME_MARGIN_BYTES,
+               holders: Iterable[_Holder] = ()) -> tuple[bool, str]:  # fmt: skip
+    """Whether the GPU can take the suspended engine back: free (from a fresh NVML sample) ≥ needed + margin.
+
+    `holders`: the processes NVML lists on the GPU (GpuProcess works), named in the
+    refusal so the operator sees who has the memory.
+    """
+    want = needed_bytes + margin
+    if free_bytes is None:
+        return False, f"free GPU memory is unknown (NVML did not answer); resuming needs {_gib(want)}"
+    if free_bytes >= want:
+        return True, f"{_gib(free_bytes)} free, {_gib(needed_bytes)} + {_gib(margin)} margin needed"
+    held = sorted(holders, key=lambda h: h.used_bytes or 0, reverse=True)
+    who = ", ".join(f"pid {h.pid} ({_gib(h.used_bytes)})" for h in held) if held else "no process NVML lists"
+    return False, f"{_gib(free_bytes)} free, {_gib(needed_bytes)} + {_gib(margin)} margin needed; held by {who}"
+
+
+def pick_target(gpu_processes: Iterable[_Holder], engine_pids: Iterable[int]) -> tuple[int | None, str]:
+    """The one engine process to checkpoint: the engine's only process on the GPU.
+
+    Several (tensor parallelism: NCCL and CUDA IPC) cannot be checkpointed: the
+    driver answers NOT_SUPPORTED or hangs.
+    """
+    tree = set(engine_pids)
+    on_gpu = sorted(p.pid for p in gpu_processes if p.pid in tree)
+    if not on_gpu:
+        return None, "no process of the engine holds GPU memory"
+    if len(on_gpu) > 1:
+        pids = ", ".join(map(str, on_gpu))
+        return None, f"{len(on_gpu)} engine processes hold GPU memory (pids {pids}): a multi-GPU engine cannot be suspended"
+    return on_gpu[0], ""
+
+
+class Suspender:
+    """Runs one suspend/resume/state operation at a time in a worker process; the loop reads `sample()`."""
+
+    def __init__(self, *, python: str = sys.executable, env: Mapping[str, str] | None = None,
+                 deadline_s: float = DEFAULT_DEADLINE_S, wake: threading.Event | None = None):  # fmt: skip
+        self._argv = [python, "-m", WORKER_MODULE]
+        self._env = dict(os.environ if env is None else env)
+        self._deadline_s = deadline_s
+        self._wake = wake  # set on every progress line, so the loop acts at once
+        self._cond = threading.Condition()
+        self._sample = SuspendSample()
+        self._generation = 0
+
+    # ------------------------------------------------------------ loop's side
+
+    def suspend(self, pid: int, lock_timeout_ms: int) -> bool:
+        return self.start(Command(Op.SUSPEND, pid, lock_timeout_ms))
+
+    def resume(self, pid: int) -> bool:
+        return self.start(Command(Op.RESUME, pid))
+
+    def query(self, pid: int) -> bool:
+        return self.start(Command(Op.STATE, pid))
+
+    def start(self, command: Command) -> bool:
+        """Begin `command` off the caller's thread. False (and nothing started) if one is in flight."""
+        now = time.monotonic()
+        with self._cond:
+            if self._sample.in_flight:
+                return False
+            self._generation += 1
+            generation = self._generation
+            self._sample = SuspendSample(op=command.op, pid=command.pid, in_flight=True, started_at=now)
+        try:
+            threading.Thread(target=self._run, args=(generation, command), name="suspender", daemon=True).start()
+        except Exception as exc:  # noqa: BLE001 - no thread to be had: nothing was done to the engine
+            self._finish(generation, Outcome.UNAVAILABLE, f"worker not started: {type(exc).__name__}: {exc}")
+        return True
+
+    def sample(self) -> SuspendSample:
+        """The latest state of the operation; never blocks on the worker."""
+        with self._cond:
+            sample = self._sample
+        if sample.in_flight and sample.started_at is not None and time.monotonic() - sample.started_at > self._deadline_s:
+            sample = replace(sample, overdue=True)
+        return sample
+
+    def wait(self, timeout: float) -> SuspendSample:
+        """Block until no operation is in flight, or `timeout` passes (scripts and tests; never the loop)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._sample.in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+        return self.sample()
+
+    # ---------------------------------------------------------- thread's side
+
+    def _run(self, generation: int, command: Command) -> None:
+        outcome, error = Outcome.UNKNOWN, "the worker ended without a result"
+        try:
+            outcome, error = self._drive(generation, command)
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the sample must not stay in flight
+            outcome, error = Outcome.UNKNOWN, f"{type(exc).__name__}: {exc}"
+        finally:
+            self._finish(generation, outcome, error)
+
+    def _drive(self, generation: int, command: Command) -> tuple[Outcome, str]:
+        with tempfile.TemporaryFile() as errors:
+            try:
+                proc = subprocess.Popen(
+                    self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors,
+                    env=self._env, text=True, start_new_session=True,  # a terminal's Ctrl-C must not cut a checkpoint short
+                )  # fmt: skip
+            except OSError as exc:
+                return Outcome.UNAVAILABLE, f"worker not started: {exc}"
+            with proc:
+                try:
+                    proc.stdin.write(command.to_json() + "\n")
+                    proc.stdin.close()
+                except OSError:
+                    pass  # it exited at once; its stderr says why
+                done: Line | None = None
+                for text in proc.stdout:
+                    try:
+                        line = Line.parse(text)
+                    except (ValueError, KeyError):
+                        self._note(generation, f"unreadable worker line: {text.strip()[:120]}")
+                        continue
+                    self._apply(generation, line)
+                    if line.step == DONE:
+                        done = line
+                rc = proc.wait()
+            if done is not None and done.outcome is not None:
+                return done.outcome, done.error
+            errors.seek(0)
+            tail = [t for t in errors.read().decode(errors="replace").splitlines() if t.strip()]
+            why = f": {tail[-1].strip()}" if tail else ""
+            return Outcome.UNKNOWN, f"the worker exited with status {rc} without a result{why}"
+
+    def _apply(self, generation: int, line: Line) -> None:
+        now = time.monotonic()
+        with self._cond:
+            if generation != self._generation:
+                return
+            s = self._sample
+            changes: dict = {}
+            if line.state is not None:
+                changes["state"] = line.state
+            if line.error:
+                changes["error"] = _short(line.error)
+            if line.step != DONE:
+                step = Step(line.step)
+                changes["step"] = step
+                if line.ok is None:
+                    changes["step_started_at"] = now
+                else:
+                    changes["steps"] = s.steps + (StepResult(step, bool(line.ok), line.took_s or 0.0, _short(line.error)),)
+            self._sample = replace(s, **changes)
+        if self._wake is not None:
+            self._wake.set()
+
+    def _note(self, generation: int, error: str) -> None:
+        with self._cond:
+            if generation == self._generation:
+                self._sample = replace(self._sample, error=_short(error))
+
+    def _finish(self, generation: int, outcome: Outcome, error: str) -> None:
+        with self._cond:
+            if generation != self._generation:
+                return
+            if error:
+                last_error = _short(error)
+            else:  # a clean outcome clears the step errors a recovery left behind
+                last_error = "" if outcome in _CLEAN else self._sample.error
+            self._sample = replace(self._sample, in_flight=False, finished_at=time.monotonic(), outcome=outcome, error=last_error)
+            self._cond.notify_all()
+        if self._wake is not None:
+            self._wake.set()
+
+
+_CLEAN = (Outcome.SUSPENDED, Outcome.RESUMED, Outcome.REPORTED)
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= _MAX_ERROR else text[: _MAX_ERROR - 3] + "..."

@@ -1,0 +1,473 @@
+"""The Alertmanager channel without a server: payloads, labels, root causes, config, and the feed's table."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from r3090d import config
+from r3090d.config import AlertmanagerConfig, AlertsConfig, ConfigError, SyslogConfig
+from r3090d.core import alerting, policy
+from r3090d.core.actions import SendAlert
+from r3090d.core.rules import Condition
+from r3090d.core.snapshot import (
+    ChildSample,
+    EngineSample,
+    GpuSample,
+    GpuStatus,
+    HealthSample,
+    HealthStatus,
+    InferenceProbeSample,
+    Snapshot,
+)
+from r3090d.effectors import alertmanager as am
+from r3090d.effectors.alerts import (
+    AlertContext,
+    AlertDispatcher,
+    DeliveryError,
+    RaisedAlert,
+    _ChannelWorker,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+CTX = AlertContext(hostname="box", gpu_index=1, gpu_name="NVIDIA GeForce RTX 3090", instance=1)
+WALL = 1_800_000_000.0  # 2027-01-15 08:00:00 UTC
+CAUSE = "torch.OutOfMemoryError: CUDA out of memory (GPU 0; 23.5 GiB total)"
+
+
+def raised(key="kv_pressure", severity="warning", state="firing", summary="KV cache full", detail="", ctx=CTX, at=WALL):
+    return RaisedAlert(SendAlert(key, severity, state, summary, detail), ctx, at)
+
+
+# ------------------------------------------------------------------ payloads
+
+
+def test_firing_condition_body_has_labels_annotations_start_and_end_four_resends_ahead():
+    post = am.AmPost(
+        am.AmAlert(
+            "gave_up",
+            am.Kind.CONDITION,
+            am.alert_labels("gave_up", "critical", CTX),
+            am.alert_annotations(f"gave up: 2 start failures; root cause: {CAUSE}; the engine stays stopped until r3090ctl restart"),
+            WALL,
+        ),
+        am.PostState.FIRING,
+        None,
+        am.firing_ttl(am.Kind.CONDITION, 60.0),
+    )
+    assert am.body(post, WALL + 30) == [
+        {
+            "labels": {
+                "alertname": "gave_up",
+                "alert": "gave_up",
+                "severity": "critical",
+                "host": "box",
+                "gpu": "gpu1 NVIDIA GeForce RTX 3090",
+                "unit_instance": "1",
+            },
+            "annotations": {
+                "summary": f"gave up: 2 start failures; root cause: {CAUSE}; the engine stays stopped until r3090ctl restart",
+                "root_cause": CAUSE,
+            },
+            "startsAt": "2027-01-15T08:00:00.000Z",
+            "endsAt": "2027-01-15T08:04:30.000Z",  # sent at +30 s, 4 x 60 s ahead of the send
+        }
+    ]
+
+
+def test_ends_at_by_kind_and_state():
+    assert am.firing_ttl(am.Kind.CONDITION, 1.0) == 4.0
+    assert am.firing_ttl(am.Kind.EVENT, 1.0) == 300.0
+    assert am.firing_ttl(am.Kind.EXIT, 1.0) == 6 * 3600.0
+    assert am.kind_of("engine_restarted", exit_on_give_up=False) is am.Kind.EVENT
+    assert am.kind_of("preflight_failed", exit_on_give_up=False) is am.Kind.EXIT
+    assert am.kind_of("gave_up", exit_on_give_up=False) is am.Kind.CONDITION
+    assert am.kind_of("gave_up", exit_on_give_up=True) is am.Kind.EXIT
+    event = am.one_off_post(raised("engine_restarted", summary="engine restarting (exited)"))
+    assert am.body(event, WALL + 100)[0]["endsAt"] == "2027-01-15T08:05:00.000Z"  # the event's time + 5 min
+    resolve = am.one_off_post(raised(state="resolved"))
+    assert am.body(resolve, WALL + 100)[0]["endsAt"] == "2027-01-15T08:00:00.000Z"
+
+
+def test_start_after_end_is_clamped_so_alertmanager_accepts_it():
+    alert = am.AmAlert("k", am.Kind.CONDITION, (("alertname", "k"),), (), WALL + 10)
+    [doc] = am.body(am.AmPost(alert, am.PostState.RESOLVED, WALL, 0.0), WALL)
+    assert doc["startsAt"] == doc["endsAt"] == "2027-01-15T08:00:00.000Z"
+
+
+def test_labels_keep_only_what_is_known_and_are_one_line():
+    assert am.alert_labels("k", "info", AlertContext(hostname="h")) == (
+        ("alertname", "k"),
+        ("alert", "k"),
+        ("severity", "info"),
+        ("host", "h"),
+    )
+    index_only = am.alert_labels("k", "info", AlertContext(hostname="h\nx", gpu_index=0, instance=0))
+    assert dict(index_only) == {"alertname": "k", "alert": "k", "severity": "info", "host": "h x", "gpu": "gpu0", "unit_instance": "0"}
+
+
+def test_description_is_the_detail_and_a_detail_line_names_the_root_cause():
+    annotations = dict(am.alert_annotations("s; root cause: from the summary", "evidence\nroot cause: from the detail\n"))
+    assert annotations == {
+        "summary": "s; root cause: from the summary",
+        "root_cause": "from the detail",
+        "description": "evidence\nroot cause: from the detail",
+    }
+    assert dict(am.alert_annotations("no cause here")) == {"summary": "no cause here"}
+
+
+def _child(gen, alive=True, cause=None):
+    return ChildSample(pid=100, alive=alive, started_at=0.0, exit_code=None if alive else 1,
+                       tree_pids=(100,) if alive else (), generation=gen, root_cause=cause)  # fmt: skip
+
+
+def _snap(now, ch, health):
+    return Snapshot(now=now, wall=now, child=ch, health=health, engine=EngineSample(),
+                    gpu=GpuSample(GpuStatus.DISABLED), inference=InferenceProbeSample())  # fmt: skip
+
+
+def test_root_cause_is_cut_from_every_summary_the_policy_writes():
+    """engine_restarted, restart_storm and gave_up, as the real policy words them, around a cause with brackets and a ';'."""
+    data = {"profile": "none", "engine": {"model": "m"}, "gpu": {"required": False}, "alerts": {"min_interval": 0.0},
+            "watchdog": {"start_failures": 10, "same_cause_failures": 3, "backoff_initial": 1.0, "restart_storm_restarts": 1}}  # fmt: skip
+    cfg = config.from_dict(data, check_files=False)
+    st = policy.initial_state(0.0)
+    sent: list[SendAlert] = []
+    refused = HealthSample(HealthStatus.REFUSED)
+    now, gen = 0.0, 0
+    for _ in range(200):
+        if st.phase is policy.Phase.GIVEN_UP:
+            break
+        if st.phase is policy.Phase.STARTING and st.generation != gen:
+            gen = st.generation
+            ch = _child(gen, alive=False, cause=CAUSE)
+        elif st.phase is policy.Phase.STARTING:
+            ch = _child(gen, alive=False, cause=CAUSE)
+        else:
+            ch = ChildSample(generation=gen)
+        acts, st = policy.decide(_snap(now, ch, refused), st, cfg, now)
+        sent += [a for a in acts if isinstance(a, SendAlert)]
+        now += 0.5
+    by_key = {a.key: a for a in sent if a.state == "firing"}
+    assert {"engine_restarted", "restart_storm", "gave_up"} <= set(by_key), sent
+    assert ", next start in" in by_key["engine_restarted"].summary
+    assert "the engine stays stopped" in by_key["gave_up"].summary
+    assert by_key["restart_storm"].summary.endswith(")")
+    for key in ("engine_restarted", "restart_storm", "gave_up"):
+        assert am.root_cause(by_key[key].summary) == CAUSE, by_key[key].summary
+
+
+# -------------------------------------------------------------------- config
+
+
+def load(tmp_path, section: str, *, check_files=True):
+    path = tmp_path / "r3090d.toml"
+    path.write_text(f'[engine]\nmodel = "m"\n[gpu]\nrequired = false\n[alerts.alertmanager]\n{section}\n')
+    return config.load(path, check_files=check_files)
+
+
+def refused(tmp_path, section, key, problem):
+    with pytest.raises(ConfigError) as exc:
+        load(tmp_path, section)
+    line = exc.value.one_line()
+    assert exc.value.key == key and problem in line and "\n" not in line, line
+    return line
+
+
+def test_url_is_a_string_or_a_list(tmp_path):
+    one = load(tmp_path, 'enabled = true\nurl = "http://am:9093/"').alerts.alertmanager
+    assert one.urls == ("http://am:9093",)
+    two = load(tmp_path, 'enabled = true\nurl = ["http://a:9093", "https://b.example.org/am"]').alerts.alertmanager
+    assert two.urls == ("http://a:9093", "https://b.example.org/am")
+    assert load(tmp_path, "").alerts.alertmanager == AlertmanagerConfig()
+
+
+@pytest.mark.parametrize(
+    "section,key,problem",
+    [
+        ("enabled = true", "alerts.alertmanager.url", "enabled but no URL is set"),
+        ('url = "ftp://am:21"', "alerts.alertmanager.url", "is not an http:// or https:// URL"),
+        ('url = "http://user:secret@am:9093"', "alerts.alertmanager.url", "holds credentials"),
+        ('url = "http://am:99999"', "alerts.alertmanager.url", "is not a URL"),
+        ('url = "http://am:9093/?x=1"', "alerts.alertmanager.url", "query or fragment"),
+        ('url = ["http://a:9093", ""]', "alerts.alertmanager.url[1]", "is empty"),
+        ('url = ["http://a:9093", "http://a:9093/"]', "alerts.alertmanager.url[1]", "listed twice"),
+        ("url = 9093", "alerts.alertmanager.url", "expected a string or a list, got int"),
+        ('url = ["http://a:9093", 1]', "alerts.alertmanager.url[1]", "expected a string"),
+        ("resend_interval = 0.5", "alerts.alertmanager.resend_interval", "out of range"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(tmp_path, section, key, problem):
+    line = refused(tmp_path, section, key, problem)
+    assert "secret" not in line
+
+
+def test_bearer_token_file_must_be_readable_and_its_text_is_never_shown(tmp_path):
+    refused(tmp_path, f'enabled = true\nurl = "http://am:9093"\nbearer_token_file = "{tmp_path}/none"', "alerts.alertmanager.bearer_token_file", "cannot read")
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\nsecond line\n")
+    cfg = load(tmp_path, f'enabled = true\nurl = "http://am:9093"\nbearer_token_file = "{token}"')
+    with pytest.raises(ConfigError) as exc:
+        am.build_channels(cfg.alerts.alertmanager, cfg.source)
+    assert exc.value.key == "alerts.alertmanager.bearer_token_file" and "s3cret" not in exc.value.one_line()
+    token.write_text("s3cret-token\n")
+    [channel] = am.build_channels(cfg.alerts.alertmanager, cfg.source)
+    assert channel.redact("server said: Bearer s3cret-token") == "server said: Bearer <redacted>"
+    assert "s3cret" not in repr(channel) + channel.target
+
+
+def test_shipped_example_section_loads_once_uncommented(tmp_path):
+    text = (REPO / "etc" / "r3090d.toml").read_text()
+    section = re.search(r"^# \[alerts\.alertmanager\]\n((?:#.*\n)+)", text, re.M)
+    assert section, "etc/r3090d.toml has a commented [alerts.alertmanager] section"
+    keys = [line[2:] for line in section.group(1).splitlines() if re.match(r"# [a-z_]+ = ", line)]
+    cfg = load(tmp_path, "\n".join(keys), check_files=False).alerts.alertmanager
+    assert cfg == dataclasses.replace(AlertmanagerConfig(), enabled=True, url=cfg.url) and cfg.urls
+
+
+# ---------------------------------------------------------------- the table
+
+
+class FakeQueue:
+    """A channel queue that records what the feed puts into it."""
+
+    def __init__(self, name="alertmanager"):
+        self.channel = type("Ch", (), {"name": name})()
+        self.items: list[am.AmPost] = []
+        self.cond = threading.Condition()
+
+    def put(self, item):
+        with self.cond:
+            self.items.append(item)
+            self.cond.notify_all()
+
+    def wait(self, n, timeout=10.0):
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.items) >= n, timeout), self.items
+            return list(self.items)
+
+
+def feed(queues=None, *, resend=60.0, state_dir=None, exit_on_give_up=False, clock=None):
+    queues = queues or [FakeQueue()]
+    cfg = AlertmanagerConfig(enabled=True, url="http://am:9093", resend_interval=resend)
+    return am.AlertmanagerFeed(cfg, queues, state_dir=state_dir, exit_on_give_up=exit_on_give_up, clock=clock or (lambda: WALL + 50)), queues
+
+
+def test_a_firing_keeps_its_labels_and_start_and_its_resolve_names_the_same_alert():
+    f, [q] = feed()
+    f.on_alert(raised(at=WALL))
+    renamed = dataclasses.replace(CTX, gpu_name="another name")
+    f.on_alert(raised(state="reminder", summary="KV cache still full", ctx=renamed, at=WALL + 3600))
+    f.on_alert(raised(state="resolved", summary="KV cache has room again", ctx=renamed, at=WALL + 4000))
+    fire, remind, resolve = q.items
+    assert fire.alert.labels == remind.alert.labels == resolve.alert.labels == am.alert_labels("kv_pressure", "warning", CTX)
+    assert fire.alert.starts_at == remind.alert.starts_at == resolve.alert.starts_at == WALL
+    assert dict(remind.alert.annotations)["summary"] == "KV cache still full"
+    assert (resolve.state, resolve.ends_at, dict(resolve.alert.annotations)["summary"]) == ("resolved", WALL + 4000, "KV cache has room again")
+    f.close()
+
+
+def test_sync_sends_a_firing_the_lifecycle_held_back_and_resolves_what_left():
+    """A local silence and min_interval hold FIRING back on the other channels, not on Alertmanager."""
+    cfg = config.from_dict({"profile": "none", "engine": {"model": "m"}, "gpu": {"required": False},
+                            "alerts": {"hysteresis_polls": 1, "min_interval": 600.0}}, check_files=False)  # fmt: skip
+    book = alerting.silence(alerting.AlertBook(), "gpu_memory", 1000.0)
+    f, [q] = feed()
+    hot = [Condition("gpu_memory", True, "warning", "GPU memory used 23600 MiB")]
+    actions, book = alerting.evaluate(hot, book, cfg, 10.0)
+    assert actions == []  # silenced: syslog and email hear nothing
+    f.sync(book.firing(), CTX, wall_offset=WALL)
+    [post] = q.items
+    assert (post.alert.key, post.state, post.alert.starts_at) == ("gpu_memory", "firing", WALL + 10.0)
+    f.sync(book.firing(), CTX, wall_offset=WALL)
+    assert len(q.items) == 1  # no POST per tick: the timer re-sends
+    actions, book = alerting.evaluate([dataclasses.replace(hot[0], active=False, summary="back under")], book, cfg, 20.0)
+    assert actions == []  # its FIRING was never sent, so the lifecycle owes no RESOLVED
+    f.sync(book.firing(), CTX, wall_offset=WALL)
+    assert [(p.alert.key, p.state) for p in q.items] == [("gpu_memory", "firing"), ("gpu_memory", "resolved")]
+    assert q.items[1].alert.labels == post.alert.labels
+    f.close()
+
+
+def test_events_are_sent_once_and_not_resolved_by_sync():
+    f, [q] = feed()
+    f.on_alert(raised("engine_restarted", summary="engine restarting (hang)"))
+    f.sync({}, CTX)
+    [post] = q.items
+    assert (post.state, post.ends_at) == ("firing", WALL + am.EVENT_TTL_S)
+    assert f.table() == {}
+    f.close()
+
+
+def test_the_timer_re_sends_every_firing_alert_and_resolves_until_each_url_took_them():
+    queues = [FakeQueue("alertmanager[0]"), FakeQueue("alertmanager[1]")]
+    f, _ = feed(queues, resend=0.05, clock=lambda: WALL)  # the resolve is not yet stale (forgotten after 4 resends)
+    f.on_alert(raised())
+    f.on_alert(raised("gpu_temperature", state="firing"))
+    f.on_alert(raised("gpu_temperature", state="resolved"))
+    resolve = queues[0].items[-1]
+    resolve.delivered("alertmanager[0]")
+    # Re-sends: both URLs get kv_pressure again; only the URL that missed the resolve gets it again.
+    queues[1].wait(3 + 2 * 2)
+    q0 = [(p.alert.key, p.state) for p in queues[0].wait(3 + 2)]
+    assert q0[:3] == [("kv_pressure", "firing"), ("gpu_temperature", "firing"), ("gpu_temperature", "resolved")]
+    assert ("gpu_temperature", "resolved") not in q0[3:]
+    assert ("gpu_temperature", "resolved") in [(p.alert.key, p.state) for p in queues[1].items[3:]]
+    resolve.delivered("alertmanager[1]")
+    assert f.table() == {"kv_pressure": am.Phase.FIRING}
+    f.close()
+
+
+def test_a_late_delivery_of_an_old_resolve_does_not_end_a_new_episode():
+    f, [q] = feed()
+    f.on_alert(raised())
+    f.on_alert(raised(state="resolved"))
+    old_resolve = q.items[-1]
+    f.on_alert(raised(at=WALL + 100))
+    old_resolve.delivered("alertmanager")
+    assert f.table() == {"kv_pressure": am.Phase.FIRING}
+    f.close()
+
+
+def test_exit_alerts_persist_and_the_next_start_resolves_them_with_the_same_labels(tmp_path):
+    f, [q] = feed(state_dir=tmp_path, exit_on_give_up=True)
+    f.on_alert(raised("gave_up", "critical", summary="gave up: 5 start failures"))
+    f.on_alert(raised("preflight_failed", "critical", summary="preflight failed: driver"))
+    f.on_alert(raised("kv_pressure"))
+    assert [p.ttl for p in q.items] == [am.EXIT_TTL_S, am.EXIT_TTL_S, 240.0]
+    assert f.flush(time.monotonic() + 10)
+    f.close()
+    saved = json.loads((tmp_path / am.STATE_FILE).read_text())
+    assert {a["key"]: a["phase"] for a in saved["alerts"]} == {"gave_up": "firing", "preflight_failed": "firing", "kv_pressure": "firing"}
+
+    later = AlertContext(hostname="box")  # the next start knows no GPU name yet
+    f2, [q2] = feed(state_dir=tmp_path, clock=lambda: WALL + 900)
+    resolves = {p.alert.key: p for p in q2.items}
+    assert set(resolves) == {"gave_up", "preflight_failed"}  # kv_pressure: adopted, left to the lifecycle
+    assert resolves["gave_up"].state == "resolved" and resolves["gave_up"].ends_at == WALL + 900
+    assert resolves["gave_up"].alert.labels == am.alert_labels("gave_up", "critical", CTX)
+    assert f2.table() == {"gave_up": "resolving", "preflight_failed": "resolving", "kv_pressure": "adopted"}
+    # The lifecycle says kv_pressure still fires: the same alert goes on, with its first start.
+    entry = alerting.AlertEntry(firing=True, severity="warning", summary="KV cache full", since=800.0)
+    f2.sync({"kv_pressure": entry}, later, wall_offset=WALL)
+    kv = q2.items[-1]
+    assert (kv.alert.key, kv.state, kv.alert.starts_at) == ("kv_pressure", "firing", WALL)
+    assert kv.alert.labels == am.alert_labels("kv_pressure", "warning", CTX)
+    for post in q2.items[:2]:
+        post.delivered("alertmanager")
+    assert f2.flush(time.monotonic() + 10)
+    f2.close()
+    saved = json.loads((tmp_path / am.STATE_FILE).read_text())
+    assert [a["key"] for a in saved["alerts"]] == ["kv_pressure"]
+
+
+def test_an_adopted_condition_the_lifecycle_no_longer_lists_is_resolved(tmp_path):
+    f, _ = feed(state_dir=tmp_path)
+    f.on_alert(raised())
+    assert f.flush(time.monotonic() + 10)
+    f.close()
+    f2, [q2] = feed(state_dir=tmp_path)
+    assert q2.items == []
+    f2.sync({}, CTX)
+    [post] = q2.items
+    assert (post.alert.key, post.state, post.alert.starts_at) == ("kv_pressure", "resolved", WALL)
+    f2.close()
+
+
+@pytest.mark.parametrize("text", ["{", "[]", '{"format": 1, "alerts": [{"key": "k"}]}', '{"format": 9, "alerts": []}'])
+def test_an_unreadable_table_is_ignored_with_a_warning(tmp_path, caplog, text):
+    (tmp_path / am.STATE_FILE).write_text(text)
+    f, [q] = feed(state_dir=tmp_path)
+    assert q.items == [] and f.table() == {}
+    assert f"ignoring {tmp_path / am.STATE_FILE}" in caplog.text
+    f.close()
+
+
+# ------------------------------------------------------- the worker's queue
+
+
+class ScriptedChannel:
+    """A channel that fails while `failing` is set, and records what it delivered."""
+
+    name = "alertmanager"
+    target = "http://am:9093"
+    max_attempts = 8
+
+    def __init__(self):
+        self.failing = True
+        self.attempts: list[am.AmPost] = []
+        self.delivered: list[am.AmPost] = []
+
+    def prepare(self, item):
+        return item
+
+    def deliver(self, post):
+        self.attempts.append(post)
+        if self.failing:
+            raise DeliveryError("HTTP 503")
+        self.delivered.append(post)
+        return ""
+
+    def redact(self, text):
+        return text
+
+    def close(self):
+        pass
+
+
+def _post(state, generation):
+    alert = am.AmAlert("gave_up", am.Kind.CONDITION, (("alertname", "gave_up"),), (), WALL)
+    return am.AmPost(alert, am.PostState(state), WALL if state == "resolved" else None, 240.0, generation)
+
+
+def wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_a_firing_in_retry_is_abandoned_once_its_resolve_is_queued():
+    channel = ScriptedChannel()
+    stop = threading.Event()
+    worker = _ChannelWorker(channel, stop, retry_initial=30.0, retry_max=30.0, queue_limit=16)
+    worker.put(_post("firing", 1))
+    wait_until(lambda: len(channel.attempts) == 1)  # failed once; now in a 30 s backoff
+    channel.failing = False
+    started = time.monotonic()
+    worker.put(_post("resolved", 2))
+    assert worker.wait_idle(time.monotonic() + 10)
+    assert time.monotonic() - started < 10  # the backoff ended when the newer state came
+    assert [p.state for p in channel.delivered] == ["resolved"]
+    assert [p.state for p in channel.attempts] == ["firing", "resolved"]
+    assert worker.status()["dropped"] == 0
+    stop.set()
+    worker.close(time.monotonic() + 5)
+
+
+def test_only_the_newest_state_of_a_key_waits_in_the_queue():
+    channel = ScriptedChannel()
+    stop = threading.Event()
+    worker = _ChannelWorker(channel, stop, retry_initial=30.0, retry_max=30.0, queue_limit=16)
+    other = dataclasses.replace(_post("firing", 9), alert=dataclasses.replace(_post("firing", 9).alert, key="kv_pressure"))
+    worker.put(other)
+    wait_until(lambda: len(channel.attempts) == 1)  # busy retrying kv_pressure
+    for generation in range(1, 50):
+        worker.put(_post("firing" if generation % 2 else "resolved", generation))
+    assert worker.status()["pending"] == 2  # kv_pressure in flight, one gave_up waiting
+    channel.failing = False
+    stop.set()
+    worker.close(time.monotonic() + 5)
+
+
+def test_dispatcher_without_alertmanager_has_no_table_and_sync_is_a_no_op():
+    d = AlertDispatcher(AlertsConfig(syslog=SyslogConfig(enabled=False)), CTX)
+    d.sync({"kv_pressure": alerting.AlertEntry(firing=True)}, wall_offset=0.0)
+    assert d.channels == [] and d.flush(1.0)
+    d.close()
