@@ -13,6 +13,6 @@ from r3090d.cli.common import config_option, instance_option
 @click.option("--skip-preflight", is_flag=True, help="start the engine even if preflight fails (logged)")
 def daemon(config_path, instance, skip_preflight) -> int:
     """Supervise vLLM: preflight, start, watch, restart."""
-    from r3090d.service.daemon import run
+    from r3090d.service.boot import run
 
     return run(config_path=config_path, instance=instance, skip_preflight=skip_preflight)

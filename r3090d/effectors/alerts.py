@@ -686,26 +686,30 @@ class _ChannelWorker:
         self._thread.start()
 
     def put(self, item: Deliverable) -> None:
+        dropped: tuple[Deliverable, str] | None = None
         with self._cond:
             if self._closed:
-                self._log_drop(item, "the dispatcher is closed")
-                return
-            key = item.coalesce_key
-            if key is not None:
-                for i, queued in enumerate(self._pending):
-                    if queued.coalesce_key == key:
-                        self._pending[i] = item  # the newer state, where the older one waited
-                        self._cond.notify_all()
-                        return
-            if len(self._pending) >= self._queue_limit:
-                self._log_drop(self._pending.popleft(), f"{self._queue_limit} alerts were already waiting")
-            self._pending.append(item)
+                dropped = item, "the dispatcher is closed"
+            elif (i := self._queued_at(item.coalesce_key)) is not None:
+                self._pending[i] = item  # the newer state, where the older one waited
+            else:
+                if len(self._pending) >= self._queue_limit:
+                    dropped = self._pending.popleft(), f"{self._queue_limit} alerts were already waiting"
+                self._pending.append(item)
             self._cond.notify_all()
+        if dropped is not None:
+            self._log_drop(*dropped)  # logged outside the lock, as everything here
+
+    def _queued_at(self, key: str | None) -> int | None:
+        if key is not None:
+            for i, queued in enumerate(self._pending):
+                if queued.coalesce_key == key:
+                    return i
+        return None
 
     def _superseded(self, item: Deliverable) -> bool:
         """A newer item with the same key is queued (call with _cond held)."""
-        key = item.coalesce_key
-        return key is not None and any(queued.coalesce_key == key for queued in self._pending)
+        return self._queued_at(item.coalesce_key) is not None
 
     def wait_idle(self, deadline: float) -> bool:
         with self._cond:
@@ -800,23 +804,24 @@ class _ChannelWorker:
                 reason,
                 then,
             )
+            # Nothing is logged with _cond held: a slow log sink must not stall put(), and so submit().
             with self._cond:
-                if last and self._superseded(raised):
-                    log.debug("%s: alert %s: a newer state is queued", name, raised.label)
-                    return
-                if last:
-                    self._log_drop(raised, f"{attempts} attempts failed, last: {reason}")
-                    return
-                # The backoff ends early when a newer state of the same key arrives: that one goes instead.
-                self._cond.wait_for(
-                    lambda: self._closed or self._stop.is_set() or self._superseded(raised), timeout=delay
-                )
-                if self._closed or self._stop.is_set():
-                    self._log_drop(raised, f"the dispatcher closed while waiting to retry (last error: {reason})")
-                    return
-                if self._superseded(raised):
-                    log.debug("%s: alert %s: replaced by a newer state before its retry", name, raised.label)
-                    return
+                if not last:
+                    # The backoff ends early when a newer state of the same key arrives: that one goes instead.
+                    self._cond.wait_for(
+                        lambda: self._closed or self._stop.is_set() or self._superseded(raised), timeout=delay
+                    )
+                closing = not last and (self._closed or self._stop.is_set())
+                superseded = self._superseded(raised)
+            if closing:
+                self._log_drop(raised, f"the dispatcher closed while waiting to retry (last error: {reason})")
+                return
+            if superseded:
+                log.debug("%s: alert %s: a newer state is queued instead", name, raised.label)
+                return
+            if last:
+                self._log_drop(raised, f"{attempts} attempts failed, last: {reason}")
+                return
 
     def _log_drop(self, item: Deliverable, why: str) -> None:
         with self._cond:

@@ -225,9 +225,7 @@ class Suspender:
             if generation != self._generation:
                 return
             s = self._sample
-            changes: dict = {}
-            if line.state is not None:
-                changes["state"] = line.state
+            changes: dict = {"state": line.state}  # the worker's current belief, None when it cannot know
             if line.error:
                 changes["error"] = _short(line.error)
             if line.step != DONE:

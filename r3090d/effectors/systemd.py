@@ -50,3 +50,21 @@ class Notifier:
 
     def stopping(self, status: str = "stopping") -> None:
         self._send(f"STOPPING=1\nSTATUS={status}")
+
+    def tick(self, status: str, *, active: bool, busy: bool) -> None:
+        """Once per tick: READY=1 (once) when the unit should be active; before that, and
+        while busy stopping or draining, extend systemd's timeout; then STATUS and the ping."""
+        if active:
+            self.ready(status)
+        elif not self.ready_sent or busy:
+            self.extend_timeout()
+        self.status(status)
+        self.watchdog()
+
+
+def watchdog_warning(limit_s: float | None, worst_tick_s: float) -> str | None:
+    """A warning when WatchdogSec= is too short for the longest tick this config allows."""
+    if limit_s and worst_tick_s > limit_s / 2:
+        return (f"WatchdogSec={limit_s:.0f} is short for this config: a tick can take {worst_tick_s:.1f} s (poll + health and "
+                "metrics timeouts); raise WatchdogSec or lower watchdog.health_timeout/metrics_timeout")  # fmt: skip
+    return None

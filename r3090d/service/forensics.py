@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from pathlib import Path
 
 from r3090d.service.state import plain, read_json, write_json_atomic
+
+log = logging.getLogger("r3090d")
 
 KEEP = 10
 RECORD_GLOB = "restart-*.json"
@@ -38,6 +41,16 @@ def write_record(state_dir: str | Path, *, reason: str, detail: str, root_cause:
     for old in list_records(state_dir)[KEEP:]:
         old.unlink(missing_ok=True)
     return path
+
+
+def record(state_dir: str | Path, action, snapshot, log_tail: list[str], metrics_text: str | None) -> Path | None:
+    """Write the record of one RecordRestart action; None (and a logged error) if the disk refuses."""
+    try:
+        return write_record(state_dir, reason=action.reason, detail=action.detail, root_cause=action.root_cause, snapshot=snapshot,
+                            log_tail=log_tail, metrics_text=metrics_text, gpu=snapshot.gpu)  # fmt: skip
+    except OSError as exc:
+        log.error("cannot write the restart record in %s: %s", state_dir, exc)
+        return None
 
 
 def list_records(state_dir: str | Path) -> list[Path]:

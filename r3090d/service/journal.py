@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import sys
+import threading
 
 ENV_JOURNAL_STREAM = "JOURNAL_STREAM"
 # Relayed vLLM lines go through their own logger, set to DEBUG by the daemon:
@@ -196,3 +197,19 @@ class VllmLineClassifier:
         if _PYTHON_WARNING.match(text):
             return Priority.WARNING
         return Priority.INFO
+
+
+def setup_logging() -> None:
+    # The journal stamps each line and wants its priority as a "<N>" prefix;
+    # a terminal or a file gets a time stamp instead. JOURNAL_STREAM alone is not
+    # enough: a shell started from a journal-connected service inherits it.
+    if stderr_is_journal():
+        formatter: logging.Formatter = JournalFormatter("%(levelname)s %(name)s: %(message)s")
+        sys.excepthook = log_uncaught
+        threading.excepthook = log_uncaught_in_thread
+    else:
+        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.getLogger(VLLM_LOGGER).setLevel(logging.DEBUG)

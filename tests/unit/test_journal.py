@@ -239,7 +239,7 @@ def log_some(name: str = "r3090d.test") -> None:
 def test_daemon_records_carry_their_priority_when_stderr_is_the_journal(stderr_file, monkeypatch):
     path, stream = stderr_file()
     monkeypatch.setenv("JOURNAL_STREAM", stream)
-    daemon.setup_logging()
+    journal.setup_logging()
     log_some()
     lines = path.read_text().splitlines()
     assert lines[:6] == [
@@ -262,7 +262,7 @@ def test_no_prefix_unless_journal_stream_names_stderr_itself(stderr_file, monkey
         other = os.stat(tmp_path)
         stream = f"{other.st_dev}:{other.st_ino}"
     monkeypatch.setenv("JOURNAL_STREAM", stream)
-    daemon.setup_logging()
+    journal.setup_logging()
     log_some()
     text = path.read_text()
     assert "<" not in text.replace("<module>", ""), text
@@ -277,7 +277,7 @@ def test_a_crash_reaches_the_journal_at_priority_2(stderr_file, monkeypatch):
     monkeypatch.setenv("JOURNAL_STREAM", stream)
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     monkeypatch.setattr(threading, "excepthook", threading.excepthook)
-    daemon.setup_logging()
+    journal.setup_logging()
     try:
         raise AttributeError("'Config' object has no attribute 'x'")
     except AttributeError:
@@ -299,14 +299,14 @@ def test_the_crash_hooks_stay_pythons_own_outside_the_journal(stderr_file, monke
     monkeypatch.delenv("JOURNAL_STREAM", raising=False)
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
-    daemon.setup_logging()
+    journal.setup_logging()
     assert sys.excepthook is sys.__excepthook__ and threading.excepthook is threading.__excepthook__
 
 
 def test_no_prefix_without_journal_stream(stderr_file, monkeypatch):
     path, _ = stderr_file()
     monkeypatch.delenv("JOURNAL_STREAM", raising=False)
-    daemon.setup_logging()
+    journal.setup_logging()
     log_some()
     assert not any(line.startswith("<") for line in path.read_text().splitlines())
 
@@ -346,7 +346,7 @@ def test_relayed_engine_lines_reach_the_journal_at_vllms_level(stderr_file, monk
     DEBUG lines included (vLLM printed them because it was asked to)."""
     path, stream = stderr_file()
     monkeypatch.setenv("JOURNAL_STREAM", stream)
-    daemon.setup_logging()
+    journal.setup_logging()
     script = "\n".join(
         f"print({line!r}, flush=True)"
         for line in [

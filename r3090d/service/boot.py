@@ -1,0 +1,40 @@
+"""Starting the daemon: read the config, ask the engine's python for its vLLM, build the pieces, run."""
+
+from __future__ import annotations
+
+import logging
+
+from r3090d import __version__, exitcodes
+from r3090d import argv as argvmod
+from r3090d import config as configmod
+from r3090d.service.daemon import Daemon
+from r3090d.service.journal import setup_logging
+
+log = logging.getLogger("r3090d")
+
+
+def run(config_path: str | None, instance: int | None, skip_preflight: bool) -> int:
+    setup_logging()
+    if instance is None:
+        instance = configmod.instance_from_env()
+    cfg = configmod.load(configmod.resolve_path(config_path, instance), instance)
+    try:
+        version = argvmod.engine_version(cfg.engine.python)
+    except argvmod.EngineNotInstalled as exc:
+        log.error("preflight vllm FAIL: %s (fix: make engine, or set engine.python in %s); exit %d", exc, cfg.source, exitcodes.PREFLIGHT_PERMANENT)
+        return exitcodes.PREFLIGHT_PERMANENT
+    argv = argvmod.build_argv(cfg, version)
+    for warning in cfg.warnings:
+        log.warning("%s", warning)
+    log.info("r3090d %s: config %s, vLLM %s, engine at %s", __version__, cfg.source, version, cfg.engine_url)
+    from r3090d.effectors.alerts import AlertDispatcher
+
+    gpu_monitor = None
+    if cfg.gpu.required:
+        from r3090d.probes.nvml import NvmlMonitor
+
+        gpu_monitor = NvmlMonitor(cfg.gpu.index, cfg.watchdog.nvml_hung_after, period_s=cfg.watchdog.poll_interval)
+        gpu_monitor.start()
+    daemon = Daemon(cfg, argv, gpu_monitor=gpu_monitor, alerts=AlertDispatcher.from_config(cfg), engine_version=version)
+    daemon.install_signals()
+    return daemon.run(skip_preflight=skip_preflight)
