@@ -231,8 +231,13 @@ def run(sc: Scenario, minutes: float, tmp: Path) -> Result:
             extra = f", load {load.finished} finished {load.cancelled} cancelled {load.failed} failed" if load else ""
             say(f"{sc.name}: {st['engine']['phase']}, restarts {st['restarts']['total']}, running {m.get('running')}, "
                 f"waiting {m.get('waiting')}, free blocks {fmt(m.get('free_blocks'), '.0f')}{extra}")  # fmt: skip
-        text = benchlib.scrape(d.url)
+        try:
+            text = benchlib.scrape(d.url)
+        except httpx.HTTPError as exc:
+            text = ""
+            say(f"{sc.name}: cannot read the engine's /metrics at the end ({type(exc).__name__}): no probe count")
         st = d.state() or st
+        restarts = [f"{time.strftime('%H:%M:%S', time.localtime(e.at))} {e.message}" for e in d.events() if e.message.startswith("engine restart:")]
     finally:
         if load is not None:
             load.stop()
@@ -240,6 +245,10 @@ def run(sc: Scenario, minutes: float, tmp: Path) -> Result:
         d.cleanup()
     if load is not None and load.failed:
         say(f"{sc.name}: last request error: {load.last_error}")
+    if restarts:
+        kept = Path(tempfile.mkdtemp(prefix=f"r3090d-false-{sc.name.replace(' ', '-')}-"))
+        (kept / "daemon.log").write_bytes((tmp / "daemon.log").read_bytes())
+        say(f"{sc.name}: {len(restarts)} restart(s); the daemon's log is kept in {kept}/daemon.log:\n  " + "\n  ".join(restarts))
     return Result(
         sc.name, minutes, st["restarts"]["total"], st["restarts"]["by_reason"],
         load.finished if load else 0, load.cancelled if load else 0, load.failed if load else 0,

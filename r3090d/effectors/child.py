@@ -223,13 +223,6 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             pass
 
-    def wait_stopped(self, timeout: float | None = None) -> bool:
-        stopper = self._stopper
-        if stopper is not None:
-            stopper.join(timeout)
-            return not stopper.is_alive()
-        return True
-
     # -------------------------------------------------------------- sampling
 
     def sample(self) -> ChildSample:

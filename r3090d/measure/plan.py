@@ -389,9 +389,6 @@ class Capacity:
     max_concurrency: float  # requests of max_model_len tokens at once
     tpot_floor_s: float | None
 
-    def fits(self) -> bool:
-        return self.num_blocks > 0
-
 
 @dataclass(frozen=True)
 class Plan:

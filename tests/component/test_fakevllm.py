@@ -1,6 +1,6 @@
 """The vLLM double itself, through real HTTP and real processes.
 
-Daemon tests trust the double to behave as DESIGN.md says vLLM does; these
+Daemon tests trust the double to behave as docs/cpu-vllm-notes.md says vLLM does; these
 tests are what earns that trust.
 """
 
@@ -504,7 +504,7 @@ def test_sigterm_with_shutdown_timeout_drains_streams(fake_vllm):
 
 
 def test_sigterm_to_the_whole_group_kills_the_core_and_errors_streams(fake_vllm):
-    # DESIGN.md: a group SIGTERM kills EngineCore at once; streams get a 500 chunk, then [DONE].
+    # docs/cpu-vllm-notes.md: a group SIGTERM kills EngineCore at once; streams get a 500 chunk, then [DONE].
     double = fake_vllm("--fake-token-delay", "0.03", shutdown_timeout=10)
     double.wait_healthy()
     thread, result = stream_in_thread(double, 100)

@@ -92,7 +92,7 @@ class VllmProcess:
         raise AssertionError(f"vLLM not ready within {self.startup_timeout:.0f} s:\n{self.log_tail()}")
 
     def stop(self) -> None:
-        """SIGTERM to the main pid only, as DESIGN.md says, then whatever is left of the group."""
+        """SIGTERM to the main pid only, as docs/cpu-vllm-notes.md says, then whatever is left of the group."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
