@@ -405,7 +405,7 @@ def check_port(host: HostFacts, own_pids: frozenset[int]) -> CheckResult:
                            f"(pid {', '.join(map(str, sorted(own_pids)))})", expected)  # fmt: skip
     foreign = [h for h in port.holders if h.pid not in own_pids]
     who = ", ".join(f"pid {h.pid}" + (f" ({h.name})" if h.name else "") for h in foreign if h.pid is not None)
-    measured = f"in use ({port.detail})" + (f" by {who}" if who else "")
+    measured = f"port {port.port} in use ({port.detail})" + (f" by {who}" if who else "")
     return CheckResult("port", Status.FAIL, measured, expected, "stop that process or change engine.port", permanent=False)
 
 

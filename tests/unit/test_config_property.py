@@ -85,13 +85,15 @@ TEXTS = st.one_of(
 NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])
 DATES = st.one_of(st.dates(), st.datetimes(), st.times(), st.datetimes(timezones=st.just(datetime.UTC)))
 SCALARS = st.one_of(st.booleans(), INTS, FLOATS, TEXTS, DATES)
-ODD_KEYS = st.one_of(st.text(max_size=8), st.sampled_from(["", "a b", "ключ", "x" * 300, "a\nb", "a=b", "a.b"]))
+ODD_KEYS = st.one_of(st.text(max_size=8), st.sampled_from(["", "a b", "ключ", "a\nb", "a=b", "a.b"]), st.just(300).map(lambda n: "x" * n))
 
 
 def weighted(*choices: tuple[int, st.SearchStrategy]) -> st.SearchStrategy:
     """One of the strategies, by weight. (st.one_of flattens nested one_ofs, so
     a branch's share there is its count of leaf strategies, not 1/n.)"""
-    return st.sampled_from([strategy for weight, strategy in choices for _ in range(weight)]).flatmap(lambda strategy: strategy)
+    table = [strategy for weight, strategy in choices for _ in range(weight)]
+    # By index: hypothesis reprs its strategies, and a list of them would repr every one.
+    return st.sampled_from(range(len(table))).flatmap(lambda i: table[i])
 
 
 def _nest(depth: int, leaf, as_table: bool):
@@ -218,12 +220,8 @@ def _apply(doc: dict, changes) -> dict:
     return doc
 
 
-DOCUMENTS = weighted(
-    (5, MUTATED),
-    (2, _table(Config).map(lambda doc: _merge(VALID_CORE, doc))),
-    (1, _table(Config)),
-    (1, ANY),
-)
+TABLES = weighted((5, MUTATED), (2, _table(Config).map(lambda doc: _merge(VALID_CORE, doc))), (1, _table(Config)))
+DOCUMENTS = weighted((8, TABLES), (1, ANY))
 
 # ---------------------------------------------------------------- checking
 
@@ -367,7 +365,7 @@ def workdir(tmp_path_factory):
 
 
 @PROPERTY
-@given(doc=DOCUMENTS.filter(lambda d: isinstance(d, dict)), bom=st.booleans(), instance=st.one_of(st.none(), st.integers(0, 63)))
+@given(doc=TABLES, bom=st.booleans(), instance=st.one_of(st.none(), st.integers(0, 63)))
 def test_load_of_toml_text_gives_a_finite_config_or_a_config_error(workdir, doc, bom, instance):
     try:
         text = toml_text(doc)
