@@ -13,31 +13,50 @@ keeps writing its own (older) format until it is restarted.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
+import math
+import types
+import typing
 from dataclasses import dataclass, field
 
 from r3090d.config import MIB, Config
+from r3090d.core.alerting import AlertBook, AlertEntry
 from r3090d.core.policy import PolicyState
-from r3090d.core.snapshot import Snapshot
+from r3090d.core.snapshot import EngineSample, GpuSample, HealthSample, Snapshot
 from r3090d.core.vocabulary import Phase
-from r3090d.service.state import book_to_json, plain
+from r3090d.preflight.checks import CheckResult
+from r3090d.service.state import BOOK_TIME_FIELDS
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)  # 1: before give-up kept the daemon up (no restarts.start_failures, no thresholds)
 
 
 class UnreadableFormat(ValueError):
-    """A state document this r3090ctl cannot read: written by a newer daemon."""
+    """A state document this r3090ctl cannot read: written by a newer daemon, or not a document at all."""
 
 
 def check_format(doc: dict) -> dict:
     """The document itself if this version of r3090d can read it."""
     version = doc.get("format", 1)
-    if version not in READABLE_FORMATS:
+    # bool is an int to Python, and True == 1: a JSON `true` is no format number.
+    if not isinstance(version, int) or isinstance(version, bool) or version not in READABLE_FORMATS:
+        shown = version if isinstance(version, int) and not isinstance(version, bool) else repr(version)[:40]
         raise UnreadableFormat(
-            f"the state was written in format {version}, this r3090ctl reads {', '.join(map(str, READABLE_FORMATS))}: "
+            f"the state was written in format {shown}, this r3090ctl reads {', '.join(map(str, READABLE_FORMATS))}: "
             "restart the daemon (systemctl restart r3090d) or upgrade r3090ctl"
         )
     return doc
+
+
+# Field metadata. KEY: the document's key where it differs from the field's name
+# (a keyword such as "for"). DERIVED: filled in by parse() only and never written,
+# so the document keeps its shape.
+KEY = "r3090d.key"
+DERIVED = "r3090d.derived"
+
+# Every field has a default, so that parse() can fill in what a partial document
+# (the one preflight writes before the loop runs) or an older daemon's lacks.
 
 
 @dataclass(frozen=True)
@@ -52,88 +71,276 @@ class DaemonIdentity:
 
 @dataclass(frozen=True)
 class DaemonInfo:
-    pid: int
-    started_at: float
-    version: str
-    instance: int | None
-    config: str
-    host: str
-    tick_seconds: float
-    poll_interval: float
+    pid: int | None = None
+    started_at: float | None = None
+    version: str = ""
+    instance: int | None = None
+    config: str = ""
+    host: str = ""
+    tick_seconds: float | None = None
+    poll_interval: float | None = None
 
 
 @dataclass(frozen=True)
 class EngineInfo:
-    state: str  # the phase, or "maintenance" while maintenance holds a ready engine
-    phase: Phase
-    maintenance: bool
-    since: float
-    pid: int | None
-    tree_pids: list[int]
-    model: str
-    url: str
-    ready_since: float | None
-    generation: int
+    state: str = ""  # the phase, or "maintenance" while maintenance holds a ready engine
+    phase: Phase | None = None  # None: absent, or a phase this r3090d does not know (phase_text has it)
+    maintenance: bool = False
+    since: float | None = None
+    pid: int | None = None
+    tree_pids: list[int] = field(default_factory=list)
+    model: str = ""
+    url: str = ""
+    ready_since: float | None = None
+    generation: int | None = None  # None: not in the document
+    # The phase as written: a newer daemon's phase is named to the operator, not dropped.
+    phase_text: str | None = field(default=None, metadata={KEY: "phase", DERIVED: True})
+
+    @property
+    def phase_name(self) -> str:
+        """The phase's text for people; "unknown" when the document has none."""
+        return self.phase.value if self.phase is not None else (self.phase_text or "unknown")
 
 
 @dataclass(frozen=True)
 class RestartsInfo:
-    total: int
-    by_reason: dict[str, int]
-    last_reason: str | None
-    last_at: float | None
-    last_root_cause: str | None
-    backoff_level: int
-    start_failures: int
-    recent: int  # unrequested restarts within watchdog.restart_storm_window
+    total: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+    last_reason: str | None = None
+    last_at: float | None = None
+    last_root_cause: str | None = None
+    backoff_level: int | None = None  # None: not in the document (the exporter leaves its gauge out)
+    start_failures: int = 0
+    recent: int = 0  # unrequested restarts within watchdog.restart_storm_window
 
 
 @dataclass(frozen=True)
 class ProbeInfo:
-    ok: bool | None
-    latency_s: float | None
-    finished_at: float | None
-    detail: str
-    consecutive_failures: int
+    ok: bool | None = None
+    latency_s: float | None = None
+    finished_at: float | None = None
+    detail: str = ""
+    consecutive_failures: int = 0
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    gpu_memory_alert_bytes: int
-    kv_min_free_blocks: int
+    # None: an older daemon's document, which has no thresholds
+    gpu_memory_alert_bytes: int | None = None
+    kv_min_free_blocks: int | None = None
 
 
 @dataclass(frozen=True)
 class FiringAlert:
-    severity: str
-    summary: str
-    since: float | None
+    severity: str = "warning"
+    summary: str = ""
+    since: float | None = None
+
+
+@dataclass(frozen=True)
+class AlertsInfo:
+    firing: dict[str, FiringAlert] = field(default_factory=dict)
+    silenced: dict[str, float] = field(default_factory=dict)  # key -> until (wall)
+
+    def active_silences(self, now: float) -> dict[str, float]:
+        return {k: until for k, until in self.silenced.items() if until > now}
+
+
+@dataclass(frozen=True)
+class AlertBookInfo:
+    """The policy's alert book, its times in wall-clock seconds: a restarted daemon rebuilds its book from it."""
+
+    entries: dict[str, AlertEntry] = field(default_factory=dict)
+    silenced: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WatchInfo:
+    gpu_signal_off: str | None = None  # why the GPU's signals are not used to find freezes (None: they are)
+
+
+@dataclass(frozen=True)
+class WaitingInfo:
+    """Written by preflight while it waits for something transient, before the loop runs."""
+
+    what: str | None = field(default=None, metadata={KEY: "for"})
+    since: float | None = None
+
+
+@dataclass(frozen=True)
+class PreflightSummary:
+    exit_code: int | None = None
+    checks: tuple[CheckResult, ...] = ()
+    at: float | None = None
+
+
+@dataclass(frozen=True)
+class Histogram:
+    buckets: tuple[tuple[float, int], ...] = ()  # (upper bound, cumulative count)
+    count: int = 0
+    sum: float = 0.0
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    poll_duration_seconds: Histogram | None = None
+    xid_errors_total: int = 0
 
 
 @dataclass(frozen=True)
 class StateDocument:
-    written_at: float
-    daemon: DaemonInfo
-    engine: EngineInfo
-    restarts: RestartsInfo
-    next_action: str | None
-    watch: dict
-    give_up_reason: str | None
-    xid_seen: list[int]
-    health: dict
-    inference: ProbeInfo
-    thresholds: Thresholds
-    metrics: dict
-    gpu: dict
-    alerts: dict
-    alert_book: dict
-    preflight: dict | None
-    telemetry: dict
+    written_at: float | None = None
+    daemon: DaemonInfo = field(default_factory=DaemonInfo)
+    engine: EngineInfo = field(default_factory=EngineInfo)
+    restarts: RestartsInfo = field(default_factory=RestartsInfo)
+    next_action: str | None = None
+    watch: WatchInfo = field(default_factory=WatchInfo)
+    give_up_reason: str | None = None
+    xid_seen: list[int] = field(default_factory=list)
+    health: HealthSample | None = None
+    inference: ProbeInfo = field(default_factory=ProbeInfo)
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    metrics: EngineSample = field(default_factory=EngineSample)
+    gpu: GpuSample | None = None
+    alerts: AlertsInfo = field(default_factory=AlertsInfo)
+    alert_book: AlertBookInfo = field(default_factory=AlertBookInfo)
+    preflight: PreflightSummary | None = None
+    telemetry: Telemetry = field(default_factory=Telemetry)
     format: int = FORMAT_VERSION
-    waiting: dict | None = field(default=None)
+    waiting: WaitingInfo | None = None
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return _to_json(self)
+
+
+# ------------------------------------------------------------------ reading
+
+
+def parse(doc: dict) -> StateDocument:
+    """The typed view of a state document: from the daemon, its state file, or preflight's partial one.
+
+    Unknown keys are ignored; a missing or malformed section or field takes its
+    default (a section of a type that needs a value it lacks becomes None), and
+    a phase this version does not know leaves `engine.phase` None with its text
+    in `engine.phase_text`. Raises UnreadableFormat, and nothing else, for a
+    newer format or something that is not a JSON object.
+    """
+    if not isinstance(doc, dict):
+        raise UnreadableFormat(f"the state is a JSON {type(doc).__name__}, not an object: the file is damaged; restart the daemon to rewrite it")
+    check_format(doc)
+    parsed = _build(StateDocument, doc)
+    assert isinstance(parsed, StateDocument)  # every field has a default: building cannot fail
+    return dataclasses.replace(parsed, format=doc.get("format", 1))
+
+
+def view(doc: StateDocument | dict | None) -> StateDocument | None:
+    """A document as readers want it: parsed when given the published dict; None (or an empty dict) is none yet."""
+    if isinstance(doc, StateDocument):
+        return doc
+    return parse(doc) if doc else None
+
+
+def parse_section(cls: type[T], raw) -> T | None:
+    """One section (any of the dataclasses above, or a sample it holds) from JSON data; None when unusable."""
+    built = _build(cls, raw)
+    return None if built is _BAD else built
+
+
+_BAD = object()  # a value that does not fit its field
+T = typing.TypeVar("T")
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[tuple[dataclasses.Field, object], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls) if f.init)
+
+
+def _build(cls: type, raw):
+    """cls from a JSON object, field by field; _BAD when raw is no object or lacks a field without default."""
+    if not isinstance(raw, dict):
+        return _BAD
+    values = {}
+    for f, tp in _fields(cls):
+        key = f.metadata.get(KEY, f.name)
+        value = _coerce(tp, raw[key]) if key in raw else _BAD
+        if value is not _BAD:
+            values[f.name] = value
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            return _BAD
+    return cls(**values)
+
+
+def _coerce(tp, raw):
+    """raw as a value of type tp, or _BAD. Containers keep the items that fit and drop the others."""
+    origin = typing.get_origin(tp)
+    if origin is types.UnionType or origin is typing.Union:
+        args = typing.get_args(tp)
+        if raw is None:
+            return None if type(None) in args else _BAD
+        for arg in args:
+            value = _BAD if arg is type(None) else _coerce(arg, raw)
+            if value is not _BAD:
+                return value
+        return _BAD
+    if origin is dict:
+        key_type, value_type = typing.get_args(tp)
+        if not isinstance(raw, dict):
+            return _BAD
+        pairs = ((_coerce(key_type, k), _coerce(value_type, v)) for k, v in raw.items())
+        return {k: v for k, v in pairs if k is not _BAD and v is not _BAD}
+    if origin is list or origin is tuple:
+        if not isinstance(raw, list | tuple):
+            return _BAD
+        args = typing.get_args(tp)
+        if origin is tuple and args[-1] is not Ellipsis:  # fixed length: (upper, count), (major, minor)
+            if len(raw) != len(args):
+                return _BAD
+            items = [_coerce(a, r) for a, r in zip(args, raw, strict=True)]
+            return _BAD if any(v is _BAD for v in items) else tuple(items)
+        items = [v for v in (_coerce(args[0], r) for r in raw) if v is not _BAD]
+        return items if origin is list else tuple(items)
+    if tp is bool:
+        return raw if isinstance(raw, bool) else _BAD
+    if tp is int:
+        if isinstance(raw, float) and raw.is_integer():
+            return int(raw)
+        return raw if isinstance(raw, int) and not isinstance(raw, bool) else _BAD
+    if tp is float:
+        if isinstance(raw, bool) or not isinstance(raw, int | float):
+            return _BAD
+        try:
+            value = float(raw)
+        except OverflowError:  # an int past float's range
+            return _BAD
+        return value if math.isfinite(value) else _BAD
+    if tp is str:
+        return raw if isinstance(raw, str) else _BAD
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(raw) if isinstance(raw, str) else _BAD  # every enum in the document is str-valued
+        except ValueError:
+            return _BAD
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, raw)
+    return _BAD
+
+
+def _to_json(value):
+    """JSON-ready data: dataclasses as objects under their document keys (DERIVED fields left out), enums as their values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.metadata.get(KEY, f.name): _to_json(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if not f.metadata.get(DERIVED)
+        }
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(_to_json(k)): _to_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_json(v) for v in value]
+    return value
 
 
 def report(
@@ -187,19 +394,29 @@ def report(
             recent=len(st.restart_times),
         ),
         next_action=next_action(st, snap, cfg),
-        watch={"gpu_signal_off": st.watch.gpu_signal_off if cfg.gpu.required else None},
+        watch=WatchInfo(st.watch.gpu_signal_off if cfg.gpu.required else None),
         give_up_reason=st.give_up_reason,
         xid_seen=list(st.xid_seen),
-        health=plain(snap.health),
+        health=snap.health,
         inference=probe_info(snap, offset),
         thresholds=Thresholds(cfg.watchdog.gpu_memory_alert_mib * MIB, cfg.watchdog.min_free_blocks),
-        metrics=plain(snap.engine),
-        gpu=plain(snap.gpu),
-        alerts={"firing": firing, "silenced": {k: u + offset for k, u in st.alerts.silenced}},
-        alert_book=book_to_json(st.alerts, offset),
-        preflight=preflight,
-        telemetry=telemetry,
+        metrics=snap.engine,
+        gpu=snap.gpu,
+        alerts=AlertsInfo(firing, {k: u + offset for k, u in st.alerts.silenced}),
+        alert_book=book_info(st.alerts, offset),
+        preflight=None if preflight is None else parse_section(PreflightSummary, preflight),
+        telemetry=parse_section(Telemetry, telemetry) or Telemetry(),
     )
+
+
+def book_info(book: AlertBook, offset: float) -> AlertBookInfo:
+    """The alert book with its monotonic times shifted to wall-clock ones, as the document carries it."""
+
+    def wall(t: float | None) -> float | None:
+        return None if t is None else t + offset
+
+    entries = {key: dataclasses.replace(e, **{name: wall(getattr(e, name)) for name in BOOK_TIME_FIELDS}) for key, e in book.entries}
+    return AlertBookInfo(entries, {key: until + offset for key, until in book.silenced})
 
 
 def probe_info(snap: Snapshot, offset: float) -> ProbeInfo:
