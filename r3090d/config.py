@@ -328,6 +328,21 @@ class AlertsConfig:
 
 
 @dataclass(frozen=True)
+class SuspendConfig:
+    """`r3090ctl suspend`: lend the GPU by checkpointing the engine (r3090d.core.suspension)."""
+
+    # After the load balancer's grace, wait this long for running and waiting requests
+    # to reach zero; requests still running then are frozen with the engine and finish after resume.
+    drain_timeout: float = opt(30.0, 0, 3600)
+    lock_timeout: float = opt(10.0, 0.1, 600)  # cuCheckpointProcessLock: wait for in-flight GPU work
+    # A driver call past this is reported (alert suspend_stuck); its late result still counts.
+    operation_timeout: float = opt(120.0, 10, 3600)
+    resume_margin_mib: int = opt(512, 0, 1 << 20)  # free GPU memory needed beyond what the engine held
+    verify_timeout: float = opt(60.0, 5, 3600)  # after restore: /health and one inference probe must pass
+    remind_after: float = opt(14400.0, 1, 30 * 86400)  # alert suspended_long after this long suspended
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     state_dir: str = opt("/var/lib/r3090d", path=True)
     runtime_dir: str = opt("/run/r3090d", path=True)
@@ -348,6 +363,7 @@ class Config:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    suspend: SuspendConfig = field(default_factory=SuspendConfig)
     profiles: dict = opt({}, items=dict)  # name -> table of Profile keys, overriding or adding
     # Derived, never read from the file:
     source: str = ""

@@ -22,6 +22,7 @@ from r3090d.cli import (
     preflight_cmd,  # noqa: F401  (registers `preflight`)
     setup_cmd,  # noqa: F401  (registers `setup` and `example`)
     status_cmd,  # noqa: F401  (registers `status`)
+    suspend_cmd,  # noqa: F401  (registers `suspend` and `resume`)
 )
 from r3090d.cli.common import ctl, finish, guard_stdout, run_click
 from r3090d.cli.daemon_cmd import daemon

@@ -14,7 +14,9 @@ import click
 from r3090d import exitcodes
 from r3090d.cli.common import UsageExit, config_option, ctl, emit_json, instance_option, load_config
 from r3090d.config import ConfigError
+from r3090d.core.vocabulary import Phase
 from r3090d.service import control, statusview
+from r3090d.service.report import StateDocument, UnreadableFormat, view
 
 REQUEST_TIMEOUT_S = 15.0
 RELOAD_TIMEOUT_S = control.RELOAD_TIMEOUT_S + 5.0
@@ -59,7 +61,10 @@ def report(reply: dict, as_json: bool) -> int:
 def restart_command(drain, wait, timeout, as_json, config_path, instance) -> int:
     """Restart the engine through the daemon (drained by default)."""
     cfg = load_config(config_path, instance, check_files=False)
-    before = _status(cfg)
+    try:
+        before = _state(cfg)
+    except UnreadableFormat:
+        before = None  # asked all the same; --wait says why it cannot follow
     reply = ask(cfg, {"cmd": "restart", "drain": drain})
     if not reply.get("ok") or not wait:
         return report(reply, as_json)
@@ -68,7 +73,7 @@ def restart_command(drain, wait, timeout, as_json, config_path, instance) -> int
     if timeout is None:
         e = cfg.engine
         timeout = cfg.watchdog.lb_grace + e.shutdown_timeout + 10 + cfg.watchdog.backoff_max + e.startup_timeout + 30
-    result = wait_ready(cfg, reply.get("generation"), (before or {}).get("engine", {}).get("pid"), timeout, quiet=as_json)
+    result = wait_ready(cfg, reply.get("generation"), before.engine.pid if before else None, timeout, quiet=as_json)
     if as_json:
         emit_json({**reply, **result})
     elif result["ok"]:
@@ -86,37 +91,44 @@ def _status(cfg) -> dict | None:
     return reply.get("state") if reply.get("ok") else None
 
 
+def _state(cfg) -> StateDocument | None:
+    """The daemon's state document, parsed; None while it does not answer or has none. Raises UnreadableFormat."""
+    return view(_status(cfg))
+
+
 def wait_ready(cfg, old_generation, old_pid, timeout: float, *, quiet: bool) -> dict:
     """Follow the phases until a new engine is ready; print each change."""
     start = time.monotonic()
-    last_phase = "ready"  # what the engine was when the restart was accepted (a given-up start prints its phase)
+    last_phase = Phase.READY.value  # what the engine was when the restart was accepted (a given-up start prints its phase)
     last_seen = start
     while True:
         now = time.monotonic()
-        doc = _status(cfg)
+        try:
+            doc = _state(cfg)
+        except UnreadableFormat as exc:
+            return {"ok": False, "error": str(exc)}
         if doc is None:
             if now - last_seen > LOST_AFTER_S:
                 return {"ok": False, "error": f"r3090d stopped answering {now - start:.0f} s into the restart"}
         else:
             last_seen = now
-            engine = doc.get("engine") or {}
-            phase = engine.get("phase")
-            if phase != last_phase:
-                last_phase = phase
+            engine = doc.engine
+            if engine.phase_name != last_phase:
+                last_phase = engine.phase_name
                 if not quiet:
-                    extra = doc.get("next_action")
-                    click.echo(f"  +{now - start:5.1f} s  {phase}" + (f"  ({extra})" if extra else ""))
+                    extra = doc.next_action
+                    click.echo(f"  +{now - start:5.1f} s  {last_phase}" + (f"  ({extra})" if extra else ""))
             new_engine = (
-                engine.get("generation", 0) > old_generation
-                if isinstance(old_generation, int) and "generation" in engine
-                else engine.get("pid") not in (None, old_pid)
+                engine.generation > old_generation
+                if isinstance(old_generation, int) and engine.generation is not None
+                else engine.pid not in (None, old_pid)
             )
-            if phase == "ready" and new_engine:
-                return {"ok": True, "message": f"ready after {now - start:.1f} s (engine pid {engine.get('pid')})", "ready_after_s": round(now - start, 2), "pid": engine.get("pid")}
+            if engine.phase is Phase.READY and new_engine:
+                return {"ok": True, "message": f"ready after {now - start:.1f} s (engine pid {engine.pid})", "ready_after_s": round(now - start, 2), "pid": engine.pid}
             # The given-up state a restart starts from is not its answer; one the new engine reaches is.
-            if phase == "given-up" and new_engine:
-                return {"ok": False, "error": f"r3090d gave up: {doc.get('give_up_reason')}"}
-            if phase == "shutting-down":
+            if engine.phase is Phase.GIVEN_UP and new_engine:
+                return {"ok": False, "error": f"r3090d gave up: {doc.give_up_reason}"}
+            if engine.phase is Phase.SHUTTING_DOWN:
                 return {"ok": False, "error": "r3090d is shutting down"}
         if now - start > timeout:
             return {"ok": False, "error": f"still {last_phase} after {timeout:.0f} s; the restart goes on (r3090ctl status)"}

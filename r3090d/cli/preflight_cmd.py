@@ -15,6 +15,7 @@ import psutil
 from r3090d.cli.common import HealthCommand, config_option, ctl, emit_json, instance_option, load_config
 from r3090d.config import Config
 from r3090d.preflight import checks as preflightmod
+from r3090d.service.report import UnreadableFormat, view
 from r3090d.service.state import STATE_FILE, read_json
 
 COLUMNS = ("name", "status", "measured", "expected", "hint")
@@ -26,13 +27,14 @@ def own_engine_pids(cfg: Config) -> tuple[int, ...]:
     Those processes may hold the engine port and VRAM without failing
     preflight. A state file whose daemon is gone vouches for nothing.
     """
-    doc = read_json(Path(cfg.daemon.state_dir) / STATE_FILE) or {}
-    daemon_pid = (doc.get("daemon") or {}).get("pid")
-    if not isinstance(daemon_pid, int) or not psutil.pid_exists(daemon_pid):
+    try:
+        doc = view(read_json(Path(cfg.daemon.state_dir) / STATE_FILE))
+    except UnreadableFormat:
+        return ()  # a newer daemon's document: what it says cannot be read, so it vouches for nothing
+    if doc is None or doc.daemon.pid is None or doc.daemon.pid <= 0 or not psutil.pid_exists(doc.daemon.pid):
         return ()
-    engine = doc.get("engine") or {}
-    pids = [p for p in [engine.get("pid"), *(engine.get("tree_pids") or [])] if isinstance(p, int)]
-    return tuple(sorted(set(pids)))
+    pids = {p for p in (doc.engine.pid, *doc.engine.tree_pids) if p is not None}
+    return tuple(sorted(pids))
 
 
 def render_table(results: list[preflightmod.CheckResult]) -> str:

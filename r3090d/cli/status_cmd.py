@@ -3,10 +3,13 @@
 "Running" means the control socket answers. If it does not, the state file and
 its pid decide: a live daemon with fresh state is still reported (with a note);
 otherwise the last persisted state is shown and the exit code is 3 (UNKNOWN).
+A document in a format this r3090ctl cannot read (a newer daemon's) is one line
+saying so, and 3 (UNKNOWN) too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -30,6 +33,7 @@ from r3090d.cli.common import (
 from r3090d.config import ConfigError
 from r3090d.service import control, statusview
 from r3090d.service.exporter import stale_after
+from r3090d.service.report import StateDocument, UnreadableFormat, view
 from r3090d.service.state import STATE_FILE
 
 STATUS_TIMEOUT_S = 5.0
@@ -38,11 +42,23 @@ STATUS_TIMEOUT_S = 5.0
 @dataclass(frozen=True)
 class Located:
     running: bool
-    doc: dict | None
+    doc: dict | None  # as the daemon wrote it: what --json prints
     source: str | None  # "socket" | "state-file" | None
     note: str | None = None  # why the socket was not used, or what is odd
     state_path: str = ""
     pid_note: str = ""
+    state: StateDocument | None = None  # doc, parsed: what the verdict and the panel read
+    unreadable: str | None = None  # why doc could not be parsed (a newer format)
+
+
+def located(running: bool, doc, source: str | None, note: str | None, state_path: str, pid_note: str = "") -> Located:
+    """A Located with its document parsed; a document this r3090ctl cannot read says why in `unreadable`."""
+    raw = doc if isinstance(doc, dict) else None
+    try:
+        return Located(running, raw, source, note, state_path, pid_note, state=view(doc))
+    except UnreadableFormat as exc:
+        where = state_path if source == "state-file" else "the daemon's control socket"
+        return Located(running, raw, source, note, state_path, pid_note, unreadable=f"{where}: {exc}")
 
 
 def pid_is_daemon(pid, started_at) -> bool:
@@ -79,21 +95,25 @@ def locate(cfg, timeout: float = STATUS_TIMEOUT_S) -> Located:
     try:
         reply = control.request(dc.runtime_dir, {"cmd": "status"}, timeout)
         if reply.get("ok"):
-            return Located(True, reply.get("state"), "socket", reply.get("message"), state_path)
+            return located(True, reply.get("state"), "socket", reply.get("message"), state_path)
         socket_note = f"the control socket answered: {reply.get('error')}"
     except control.ClientError as exc:
         socket_note = exc.detail
     doc, problem = read_state(dc.state_dir)
     if doc is None:
         return Located(False, None, None, problem or socket_note, state_path, "no state file" if problem is None else "state unreadable")
-    daemon = doc.get("daemon") or {}
-    pid = daemon.get("pid")
-    if pid_is_daemon(pid, daemon.get("started_at")):
-        age = time.time() - float(doc.get("written_at") or 0)
-        if age <= stale_after(doc):
-            return Located(True, doc, "state-file", f"pid {pid} runs but its control socket does not answer: {socket_note}; showing {state_path}", state_path)
-        return Located(False, doc, "state-file", f"pid {pid} is alive but its state is {age:.0f} s old: the daemon is stuck", state_path, f"pid {pid} not answering")
-    return Located(False, doc, "state-file", socket_note, state_path, f"pid {pid} is gone" if pid else "no pid recorded")
+    found = located(False, doc, "state-file", socket_note, state_path)
+    if found.state is None:
+        return found
+    daemon = found.state.daemon
+    pid = daemon.pid
+    if pid_is_daemon(pid, daemon.started_at):
+        age = time.time() - (found.state.written_at or 0.0)
+        if age <= stale_after(found.state):
+            note = f"pid {pid} runs but its control socket does not answer: {socket_note}; showing {state_path}"
+            return dataclasses.replace(found, running=True, note=note)
+        return dataclasses.replace(found, note=f"pid {pid} is alive but its state is {age:.0f} s old: the daemon is stuck", pid_note=f"pid {pid} not answering")
+    return dataclasses.replace(found, pid_note=f"pid {pid} is gone" if pid else "no pid recorded")
 
 
 def start_hint(cfg) -> str:
@@ -101,8 +121,14 @@ def start_hint(cfg) -> str:
     return f"systemctl start {unit}   (or in a terminal: r3090d --config {cfg.source})"
 
 
+def judge(found: Located, now: float) -> statusview.Verdict:
+    if found.unreadable:
+        return statusview.Verdict(exitcodes.UNKNOWN, (found.unreadable,))
+    return statusview.evaluate(found.state, running=found.running, now=now)
+
+
 def render(cfg, found: Located, now: float, as_json: bool) -> int:
-    verdict = statusview.evaluate(found.doc, running=found.running, now=now)
+    verdict = judge(found, now)
     if as_json:
         emit_json(
             {
@@ -116,18 +142,21 @@ def render(cfg, found: Located, now: float, as_json: bool) -> int:
             }
         )
         return verdict.code
+    if found.unreadable:
+        click.echo(verdict.line())  # one line: the state cannot be shown
+        return verdict.code
     if not found.running:
-        for line in statusview.not_running_lines(found.doc, found.pid_note or "no answer", found.state_path, start_hint(cfg), now):
+        for line in statusview.not_running_lines(found.state, found.pid_note or "no answer", found.state_path, start_hint(cfg), now):
             click.echo(line)
         if found.note and found.source is None:
             click.echo(f"({found.note})")
         return verdict.code
-    if found.doc is None:
+    if found.state is None:
         click.echo(f"r3090d is starting: {found.note or 'no state yet'}")
         click.echo(f"Status     {verdict.line()}")
         return verdict.code
     note = found.note if found.source == "state-file" else None
-    for line in statusview.panel(found.doc, verdict, now, note=note):
+    for line in statusview.panel(found.state, verdict, now, note=note):
         click.echo(line)
     return verdict.code
 
@@ -152,7 +181,7 @@ def status_command(as_json, watch, config_path, instance) -> int:
             if not as_json and sys.stdout.isatty():
                 click.echo("\x1b[H\x1b[2J", nl=False)
             if as_json:
-                verdict = statusview.evaluate(found.doc, running=found.running, now=time.time())
+                verdict = judge(found, time.time())
                 code = verdict.code
                 line = {"running": found.running, "source": found.source, "exit_code": code, "verdict": verdict.label, "reasons": list(verdict.reasons), "state": found.doc}
                 click.echo(json.dumps(line, sort_keys=True, default=str))

@@ -45,4 +45,62 @@ class Exit:
     reason: str
 
 
-Action = StartEngine | StopEngine | SendAlert | RecordRestart | SendInferenceProbe | Exit
+# ------------------------------------------------------------ suspend/resume
+# Each driver operation runs in the suspender's worker process, off the loop;
+# decide() reads its result in a later snapshot (Snapshot.suspender).
+
+
+@dataclass(frozen=True)
+class SuspendEngine:
+    """Lock then checkpoint `pid` (the engine's one GPU process)."""
+
+    pid: int
+    lock_timeout_ms: int
+    frozen_requests: int = 0  # still running or waiting at the drain deadline: they finish after resume
+
+
+@dataclass(frozen=True)
+class ResumeEngine:
+    """Restore then unlock `pid`."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class QueryEngineState:
+    """Ask the driver for `pid`'s checkpoint state (after a worker that ended without a result)."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class SuspendRecord:
+    """The suspension as state_dir/suspended.json keeps it across daemon restarts."""
+
+    pid: int  # the checkpointed process
+    engine_pid: int | None  # the engine's main pid (its process group)
+    bytes: int  # GPU memory the checkpointed process held: what resuming needs free again
+    since: float  # wall-clock time it was suspended
+
+
+@dataclass(frozen=True)
+class SaveSuspension:
+    """Persist the suspension (record), or forget it (None)."""
+
+    record: SuspendRecord | None
+
+
+@dataclass(frozen=True)
+class RequestGpuSample:
+    """A fresh NVML reading now, not at the next period: resuming judges the room on it."""
+
+
+@dataclass(frozen=True)
+class ResetProbes:
+    """Forget the inference probe's past: the engine was frozen, its old failures say nothing now."""
+
+
+Action = (
+    StartEngine | StopEngine | SendAlert | RecordRestart | SendInferenceProbe | Exit
+    | SuspendEngine | ResumeEngine | QueryEngineState | SaveSuspension | RequestGpuSample | ResetProbes
+)  # fmt: skip

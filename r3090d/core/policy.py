@@ -12,6 +12,8 @@ The engine moves through phases:
     STARTING/young READY --too many start failures--> GIVEN_UP (engine stopped, daemon up)
     GIVEN_UP --r3090ctl restart--> STARTING (from zero failures)
     any --shutdown--> SHUTTING_DOWN --tree gone--> exit 0
+    READY --r3090ctl suspend--> SUSPENDING --> SUSPENDED --r3090ctl resume--> RESUMING --> READY
+          (r3090d.core.suspension: the stages, their failures and why no liveness rule runs there)
 
 Restart semantics, as supervisord and Kubernetes' CrashLoopBackOff agree:
 a *start failure* is an engine that never became ready, or failed within
@@ -28,10 +30,19 @@ from dataclasses import dataclass, field, replace
 
 from r3090d import exitcodes
 from r3090d.config import Config
-from r3090d.core import alerting, rules
-from r3090d.core.actions import Action, Exit, RecordRestart, SendInferenceProbe, StartEngine, StopEngine
+from r3090d.core import alerting, rules, suspension
+from r3090d.core.actions import (
+    Action,
+    Exit,
+    RecordRestart,
+    SendInferenceProbe,
+    StartEngine,
+    StopEngine,
+    SuspendRecord,
+)
 from r3090d.core.snapshot import HealthStatus, Snapshot
-from r3090d.core.vocabulary import Phase, RestartKind, RestartReason
+from r3090d.core.suspension import Result, SuspendResult, Suspension
+from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartKind, RestartReason
 
 # How long to wait for NVML to stop listing processes of the old tree once
 # psutil says they are gone, before starting the new engine anyway.
@@ -66,10 +77,24 @@ class PolicyState:
     watch: rules.WatchState = field(default_factory=rules.WatchState)
     blind: rules.Blindness = field(default_factory=rules.Blindness)
     alerts: alerting.AlertBook = field(default_factory=alerting.AlertBook)
+    suspension: Suspension | None = None  # set while in SUSPEND_PHASES (and kept through a shutdown)
+    suspend_last: SuspendResult | None = None  # how the operator's last suspend or resume ended
 
 
 def initial_state(now: float) -> PolicyState:
     return PolicyState(phase=Phase.STOPPED, phase_since=now)
+
+
+def suspended_state(record: SuspendRecord, now: float, since: float) -> PolicyState:
+    """A daemon started with a suspension on record (state_dir/suspended.json): the engine stays down until resume."""
+    return PolicyState(phase=Phase.SUSPENDED, phase_since=now, suspension=suspension.from_record(record, now, since))
+
+
+def probes_engine(st: PolicyState) -> bool:
+    """Whether this tick asks the engine's /health (the sampler's question)."""
+    if st.phase in (Phase.STARTING, Phase.READY):
+        return True
+    return st.suspension is not None and st.suspension.stage in suspension.PROBED_STAGES
 
 
 def lb_grace(cfg: Config) -> float:
@@ -100,8 +125,10 @@ def decide(snap: Snapshot, st: PolicyState, cfg: Config, now: float) -> tuple[li
         blind=rules.track_blindness(snap, st.blind, cfg, engine_ready=st.phase is Phase.READY),
     )
     st = _lifecycle(snap, st, cfg, now, actions, events)
+    st = _unanswered(snap, st, now)
     watch = replace(st.watch, xid_seen=st.xid_seen)
     conds = rules.conditions(snap, watch, cfg, now, _lifecycle_facts(st, cfg, now), st.blind) + events
+    conds += suspension.conditions(st.suspension, st.phase, snap, cfg, now)
     alert_actions, book = alerting.evaluate(conds, st.alerts, cfg, now)
     actions.extend(alert_actions)
     return actions, replace(st, alerts=book)
@@ -128,7 +155,10 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
 
     if snap.shutdown_requested and st.phase is not Phase.SHUTTING_DOWN:
         if child.alive or child.tree_pids:
-            actions.append(StopEngine(drain=True, reason="shutdown"))
+            # A locked engine cannot drain: stop it at once. The suspension stays on
+            # record (suspended.json): the next daemon keeps the engine down until resume.
+            frozen = st.suspension is not None and st.suspension.stage in suspension.FROZEN_STAGES
+            actions.append(StopEngine(drain=not frozen, reason="shutdown"))
         st = _to(st, Phase.SHUTTING_DOWN, now, exit_code=exitcodes.OK)
 
     if st.phase is Phase.SHUTTING_DOWN:
@@ -145,6 +175,9 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
 
     if st.phase in (Phase.RESTARTING, Phase.DRAINING, Phase.BACKOFF):
         return _resume(snap, st, cfg, now, actions)
+
+    if st.phase in SUSPEND_PHASES and st.suspension is not None:
+        return _suspension(snap, st, cfg, now, actions, events)
 
     # STARTING or READY: the engine of st.generation should be running.
     if child.generation != st.generation:
@@ -175,6 +208,8 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
         return _restart(snap, st, cfg, now, actions, events, RestartReason.REQUESTED, "restart requested by operator", drain=drain, counts=False)
     if verdict is not None and not st.maintenance:
         return _fail(snap, st, cfg, now, actions, events, verdict.reason, verdict.detail, drain=verdict.drain)
+    if snap.suspend_requested is not None:
+        return _apply(snap, st, cfg, now, actions, events, suspension.begin(snap, cfg, now, snap.suspend_requested))
     if rules.probe_due(snap, st.watch, cfg, now) and not st.maintenance:
         actions.append(SendInferenceProbe())
     return st
@@ -297,3 +332,42 @@ def _resume(snap, st, cfg, now, actions) -> PolicyState:
         return st if st.phase is Phase.BACKOFF else _to(st, Phase.BACKOFF, now)
     actions.append(StartEngine(reason=f"restart after {st.restart_reason}"))
     return _to(st, Phase.STARTING, now, generation=child.generation + 1, old_tree=(), watch=rules.WatchState())
+
+
+# ------------------------------------------------------------------ suspend/resume
+
+
+def _suspension(snap, st, cfg, now, actions, events) -> PolicyState:
+    """SUSPENDING, SUSPENDED, RESUMING: the stage machine of r3090d.core.suspension, and nothing else."""
+    return _apply(snap, st, cfg, now, actions, events, suspension.advance(st.suspension, snap, cfg, now, lb_grace(cfg)))
+
+
+def _apply(snap, st, cfg, now, actions, events, move: suspension.Move) -> PolicyState:
+    actions.extend(move.actions)
+    if move.event is not None:
+        events.append(move.event)
+    if move.result is not None:
+        st = replace(st, suspend_last=move.result)
+    if move.fail is not None:
+        reason, detail = move.fail
+        st = replace(st, suspension=None)
+        return _restart(snap, st, cfg, now, actions, events, reason, detail, drain=False, counts=True)
+    if move.start_cold:
+        actions.append(StartEngine(reason="resume of a suspension without an engine"))
+        return _to(st, Phase.STARTING, now, generation=snap.child.generation + 1, suspension=None, old_tree=(), watch=rules.WatchState())
+    if move.phase is st.phase:
+        return replace(st, suspension=move.suspension)
+    if move.phase is Phase.READY:
+        # Nothing that stood still during the suspension may read as a stall: the watch starts afresh.
+        return _to(st, Phase.READY, now, suspension=None, ready_since=now, watch=rules.WatchState(ready_at=now))
+    return _to(st, move.phase, now, suspension=move.suspension)
+
+
+def _unanswered(snap: Snapshot, st: PolicyState, now: float) -> PolicyState:
+    """A suspend or resume the phase could not take up (the reply was sent earlier in this loop turn) is refused."""
+    for op, request in (("suspend", snap.suspend_requested), ("resume", snap.resume_requested)):
+        taken = (st.suspension is not None and st.suspension.request == request) or (st.suspend_last is not None and st.suspend_last.request == request)
+        if request is not None and not taken:
+            why = f"the engine is {st.phase.value}"
+            st = replace(st, suspend_last=SuspendResult(request, op, Result.REFUSED, why, now))
+    return st

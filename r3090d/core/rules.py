@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from r3090d.config import MIB, Config
 from r3090d.core.snapshot import GpuStatus, HealthStatus, Snapshot
-from r3090d.core.vocabulary import Phase, RestartReason
+from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartReason
 
 
 @dataclass(frozen=True)
@@ -324,7 +324,10 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
         out.append(Condition("gpu_xid", bool(xids), "critical", f"XID critical errors {', '.join(map(str, xids))}: reboot needed" if xids else "no XID critical error seen since the daemon started"))
         out.append(Condition("nvml_hung", g.hung, "warning", f"an NVML call has been stuck for {g.age_s or 0:.0f} s" if g.hung else "NVML answers again"))
         limit = wd.gpu_memory_alert_mib * MIB
-        if g.usable and g.memory_used is not None:
+        if life.phase in SUSPEND_PHASES:
+            # The card is lent: what the borrower uses is none of this alert's business.
+            out.append(Condition("gpu_memory", False, "warning", "GPU memory alert paused: the engine is suspended, the GPU lent"))
+        elif g.usable and g.memory_used is not None:
             over = g.memory_used > limit
             out.append(Condition("gpu_memory", over, "warning", f"GPU memory used {g.memory_used / MIB:.0f} MiB (alert above {wd.gpu_memory_alert_mib} MiB)" if over else f"GPU memory used {g.memory_used / MIB:.0f} MiB, back under {wd.gpu_memory_alert_mib} MiB"))
         if g.usable and g.temperature_c is not None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from r3090d.core.vocabulary import RestartKind
+    from r3090d.effectors.suspender import SuspendSample
     from r3090d.measure.modelinfo import ModelFacts
 
 
@@ -103,6 +104,7 @@ class HostFacts:
     """The host as preflight sees it. None in a field means "not measured"."""
 
     swap_total_bytes: int | None = None  # active swap, summed over /proc/swaps
+    mem_available_bytes: int | None = None  # /proc/meminfo MemAvailable: room for a suspended engine's GPU memory
     swap_devices: tuple[str, ...] = ()
     swappiness: int | None = None
     governors: tuple[str, ...] | None = None  # distinct cpufreq governors across CPUs
@@ -211,3 +213,8 @@ class Snapshot:
     restart_requested: RestartKind | None = None
     maintenance: bool | None = None  # None = no change requested
     silences: tuple[tuple[str, float], ...] = ()  # (alert key, seconds from now)
+    # r3090ctl suspend / resume, accepted under this request number (the reply's "request").
+    suspend_requested: int | None = None
+    resume_requested: int | None = None
+    suspender: SuspendSample | None = None  # the suspend worker's latest operation; None: no suspender
+    process_names: tuple[tuple[int, str], ...] = ()  # (pid, name) of the GPU's processes, read while suspended

@@ -20,6 +20,14 @@ class Phase(enum.StrEnum):
     BACKOFF = "backoff"
     GIVEN_UP = "given-up"
     SHUTTING_DOWN = "shutting-down"
+    # r3090ctl suspend / resume (r3090d.core.suspension): the engine lends the GPU.
+    SUSPENDING = "suspending"  # draining, then the driver checkpoints the engine
+    SUSPENDED = "suspended"  # the engine's GPU memory is in its host memory, or the engine is down
+    RESUMING = "resuming"  # room checked, memory restored; /health and a probe must pass
+
+
+# While suspending, suspended or resuming, no liveness rule judges the engine.
+SUSPEND_PHASES = (Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING)
 
 
 class RestartKind(enum.StrEnum):
@@ -42,3 +50,5 @@ class RestartReason(enum.StrEnum):
     KV = "kv"  # the KV cache ran out and did not recover
     GPU_IDLE = "gpu_idle"  # requests running, and the GPU (its sole user the engine) idle
     REQUESTED = "requested"  # r3090ctl restart, or a reload that changed the engine's settings
+    SUSPEND_FAILED = "suspend_failed"  # the driver's checkpoint left the engine unable to serve
+    RESUME_FAILED = "resume_failed"  # restore failed, or the resumed engine did not pass /health and a probe

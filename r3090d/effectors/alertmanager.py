@@ -90,9 +90,11 @@ MAX_ANNOTATION = 4000
 
 GAVE_UP = "gave_up"
 PREFLIGHT_FAILED = "preflight_failed"
-# One-shot keys (rules.Condition(event=True), and the CLI's test alert). A SendAlert
-# does not say whether it is an event, and an event never resolves.
-EVENT_KEYS = frozenset({"engine_restarted", "test"})
+# One-shot keys: every Condition(..., event=True) in the package (a unit test keeps
+# the two in step) and the CLI's test alert. A SendAlert does not say whether it is
+# an event, and an event never resolves, so one missing here would be re-sent as a
+# firing condition until sync() resolved it.
+EVENT_KEYS = frozenset({"engine_restarted", "suspended_engine_lost", "test"})
 
 
 class Kind(enum.StrEnum):

@@ -74,6 +74,9 @@ COMMANDS = {
         ),
     },
     "reload": {},
+    # Answered at once ("accepted" and a request number); the work runs over many ticks.
+    "suspend": {},
+    "resume": {},
 }
 
 

@@ -24,7 +24,7 @@ from r3090d.config import Config
 from r3090d.core import policy
 from r3090d.core.actions import Exit, RecordRestart, SendAlert, SendInferenceProbe, StartEngine, StopEngine
 from r3090d.core.snapshot import Snapshot
-from r3090d.core.vocabulary import Phase, RestartKind
+from r3090d.core.vocabulary import Phase
 from r3090d.effectors.child import DRAIN_MARGIN_S, EngineProcess
 from r3090d.effectors.reaper import ChildReaper
 from r3090d.effectors.systemd import Notifier, watchdog_warning
@@ -35,6 +35,7 @@ from r3090d.service.preflight_runner import PreflightRunner
 from r3090d.service.report import DaemonIdentity, report, status_line
 from r3090d.service.sampling import Sampler
 from r3090d.service.state import STATE_FILE, book_from_json, read_json, wall_offset, write_json_atomic
+from r3090d.service.suspend import SuspendService
 
 log = logging.getLogger("r3090d")
 
@@ -62,7 +63,9 @@ class Daemon:
         self.identity = DaemonIdentity(pid=os.getpid(), started_at=time.time(), version=__version__, host=socket.gethostname())
         self.state_dir = Path(cfg.daemon.state_dir)
         self.state_path = self.state_dir / STATE_FILE
-        self.sampler = Sampler(cfg, self.engine, gpu_monitor, self.wake)
+        self.suspend = SuspendService(cfg, self.state_dir, self.wake)
+        self.sampler = Sampler(cfg, self.engine, gpu_monitor, self.wake, self.suspend)
+        self.last_snap: Snapshot | None = None  # what suspend's immediate answer is judged on
         self.last_restart_record: Path | None = None
         self.pending = commands.Pending()  # control-plane requests for the next decide()
         self.shutdown = False
@@ -98,44 +101,7 @@ class Daemon:
                     self.notifier.stopping("stopping: draining the engine")
                 self.shutdown = True
             elif signum == signal.SIGHUP:
-                self.reload()
-
-    def reload(self) -> tuple[str, str]:
-        """Re-read the config; on any failure the running engine and config stay as they are."""
-        try:
-            new, new_argv = commands.load_for_reload(self.cfg, self.engine_version)
-        except Exception as exc:  # any failure, even one nobody foresaw, must leave the engine running
-            text = commands.reload_error(exc)
-            log.error("reload refused, keeping the running config: %s", text)
-            return "error", f"refused, the running config stays: {text}"
-        engine_changed = new_argv != self.argv or new.engine.env != self.cfg.engine.env or new.api_key != self.cfg.api_key
-        alerts_changed = new.alerts != self.cfg.alerts
-        self.cfg, self.argv = new, new_argv
-        self.sampler.configure(new)
-        for warning in new.warnings:
-            log.warning("%s", warning)
-        applied = "watchdog settings"
-        if alerts_changed and self.alerts is not None:
-            self._replace_alert_dispatcher(new)
-            applied = "watchdog and alert settings"
-        if engine_changed and self.st.phase is Phase.GIVEN_UP:
-            log.info("reload: applied (%s); engine settings changed, used at the next r3090ctl restart", applied)
-            return "ok", "applied; the engine stays stopped after the give-up until r3090ctl restart"
-        if engine_changed:
-            log.info("reload: applied (%s); engine settings changed, drained restart", applied)
-            self.pending.restart = RestartKind.CONFIG
-            return "ok", "applied; engine settings changed, drained restart"
-        log.info("reload: applied (%s)", applied)
-        return "ok", f"applied without an engine restart ({applied})"
-
-    def _replace_alert_dispatcher(self, cfg: Config) -> None:
-        """New channels for new alert settings; the old dispatcher delivers what it holds, off the loop."""
-        from r3090d.effectors.alerts import AlertDispatcher
-
-        old, self.alerts = self.alerts, AlertDispatcher.from_config(cfg)
-        if self.gpu_identity is not None:
-            self.alerts.set_gpu(*self.gpu_identity)
-        threading.Thread(target=old.close, name="alerts-retire", daemon=True).start()
+                commands.reload(self)  # on any failure the running engine and config stay as they are
 
     def submit_control(self, request: dict, reply) -> None:
         """Called from the control server's thread; `reply(dict)` is called from the loop."""
@@ -155,15 +121,18 @@ class Daemon:
 
     def control(self, request: dict) -> dict:
         if request.get("cmd") == "reload":
-            status, text = self.reload()
+            status, text = commands.reload(self)
             return {"ok": status == "ok", "message" if status == "ok" else "error": text}
+        if request.get("cmd") in ("suspend", "resume"):
+            return commands.answer_suspend(request, self.pending, self.cfg, phase=self.st.phase, suspended=self.st.suspension, snap=self.last_snap)
         return commands.answer(request, self.pending, phase=self.st.phase, generation=self.engine.sample().generation,
                                exit_on_give_up=self.cfg.daemon.exit_on_give_up)  # fmt: skip
 
     # ------------------------------------------------------------ probing
 
     def snapshot(self, st: policy.PolicyState) -> Snapshot:
-        snap = self.sampler.take(st.phase, shutdown=self.shutdown, pending=self.pending)
+        snap = self.sampler.take(st.phase, shutdown=self.shutdown, pending=self.pending, probe=policy.probes_engine(st))
+        self.last_snap = snap
         if snap.gpu.usable:
             self.gpu_identity = (snap.gpu.name, snap.gpu.index, snap.gpu.uuid)
             if self.alerts is not None:
@@ -200,6 +169,8 @@ class Daemon:
                 exit_code = action.code
                 if action.code == exitcodes.GAVE_UP:
                     log.error("giving up: %s (exit %d, daemon.exit_on_give_up)", action.reason, action.code)
+            else:
+                self.suspend.execute(action, snap.child, self.sampler)
         return exit_code
 
     # ---------------------------------------------------------- preflight
@@ -230,7 +201,10 @@ class Daemon:
             self._close_helpers()
             return exitcodes.CONFIG
         self.warn_if_watchdog_too_short()
-        if skip_preflight:
+        suspended = self.suspend.boot_state(self.offset)  # the GPU is lent: no preflight, no engine until resume
+        if suspended is not None:
+            self.st = suspended
+        elif skip_preflight:
             log.warning("preflight skipped (--skip-preflight): starting vLLM without checking the host")
         else:
             code = self.preflight()
@@ -305,9 +279,9 @@ class Daemon:
         if st.phase is Phase.STARTING and now - self._last_loading_log >= LOADING_LOG_EVERY_S:
             self._last_loading_log = now
             log.info("loading model (%.0f s)", now - st.phase_since)
-        # A give-up still lets the unit become active: the daemon is up, alerting and
-        # answering, and `systemctl status` shows why through STATUS=.
-        active = st.phase is Phase.READY or (st.phase is Phase.GIVEN_UP and not self.cfg.daemon.exit_on_give_up)
+        # A give-up or a suspension still lets the unit become active: the daemon is up,
+        # alerting and answering, and `systemctl status` shows why through STATUS=.
+        active = st.phase in (Phase.READY, Phase.SUSPENDED) or (st.phase is Phase.GIVEN_UP and not self.cfg.daemon.exit_on_give_up)
         self.notifier.tick(status_line(st, snap), active=active, busy=st.phase in (Phase.SHUTTING_DOWN, Phase.GIVEN_UP, Phase.DRAINING))
         self.write_state(st, snap, tick_s)
 
@@ -315,6 +289,7 @@ class Daemon:
         self.tick_stats.observe(tick_s, snap.gpu.xid_errors)
         doc = report(st, snap, self.cfg, identity=self.identity, offset=self.offset, written_at=time.time(), tick_s=tick_s,
                      preflight=self.preflight_summary, telemetry=self.tick_stats.to_json()).to_json()  # fmt: skip
+        doc.update(self.suspend.publish(st, snap, self.offset))
         self.latest_doc = doc
         try:
             write_json_atomic(self.state_path, doc)

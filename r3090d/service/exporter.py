@@ -40,7 +40,9 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
 
+from r3090d.core.snapshot import GpuSample, GpuStatus, HealthStatus
 from r3090d.core.vocabulary import Phase, RestartReason
+from r3090d.service.report import StateDocument, view
 
 log = logging.getLogger("r3090d.service.exporter")
 
@@ -111,58 +113,65 @@ class TickStats:
 # ------------------------------------------------------------------ verdicts
 
 
-def stale_after(doc: dict) -> float:
-    poll = (doc.get("daemon") or {}).get("poll_interval") or 2.0
-    return max(STALE_MIN_S, STALE_POLLS * float(poll))
+def stale_after(doc: StateDocument | dict) -> float:
+    d = view(doc)
+    poll = d.daemon.poll_interval if d is not None else None
+    return max(STALE_MIN_S, STALE_POLLS * (poll or 2.0))
 
 
 NO_STATE = "r3090d is starting: no state yet"
+# Phases of a restart under way: /healthz names the restart's reason.
+RESTART_PHASES = frozenset({Phase.DRAINING, Phase.RESTARTING, Phase.BACKOFF})
 
 
-def _stale(doc: dict, now: float) -> str | None:
+def _stale(doc: StateDocument, now: float) -> str | None:
     """Why the daemon's loop must be stuck (its state is older than stale_after), or None."""
-    age = now - float(doc.get("written_at") or 0)
+    age = now - (doc.written_at or 0.0)
     bound = stale_after(doc)
     if age > bound:
         return f"r3090d state is {age:.0f} s old (stale after {bound:.0f} s): the daemon loop is stuck"
     return None
 
 
-def livez(doc: dict | None, now: float) -> tuple[int, str]:
+def livez(doc: StateDocument | dict | None, now: float) -> tuple[int, str]:
     """(200, "alive") while the loop ticks, else (503, why): pure. What the engine does is not its concern."""
-    if not doc:
+    d = view(doc)
+    if d is None:
         return 503, NO_STATE
-    stuck = _stale(doc, now)
+    stuck = _stale(d, now)
     return (503, stuck) if stuck else (200, "alive")
 
 
-def healthz(doc: dict | None, now: float) -> tuple[int, str]:
+def healthz(doc: StateDocument | dict | None, now: float) -> tuple[int, str]:
     """(200, "ready") or (503, why): pure, from the state document and the wall clock."""
-    if not doc:
+    d = view(doc)
+    if d is None:
         return 503, NO_STATE
-    stuck = _stale(doc, now)
+    stuck = _stale(d, now)
     if stuck:
         return 503, stuck
-    engine = doc.get("engine") or {}
-    phase = engine.get("phase")
-    if phase != Phase.READY.value:
-        reason = (doc.get("restarts") or {}).get("last_reason") if phase in ("draining", "restarting", "backoff") else None
+    engine = d.engine
+    if engine.phase is not Phase.READY:
+        reason = d.restarts.last_reason if engine.phase in RESTART_PHASES else None
         why = f" ({reason} restart)" if reason else ""
-        if phase == Phase.GIVEN_UP.value:
-            why = f": {doc.get('give_up_reason') or 'gave up'}"
-        return 503, f"engine {phase}{why}"
-    if engine.get("maintenance"):
+        if engine.phase is Phase.GIVEN_UP:
+            why = f": {d.give_up_reason or 'gave up'}"
+        return 503, f"engine {engine.phase_name}{why}"
+    if engine.maintenance:
         return 503, "maintenance mode"
-    health = (doc.get("health") or {}).get("status")
-    if health != "ok":
-        return 503, f"engine /health {health}"
+    health = d.health.status if d.health is not None else None
+    if health is not HealthStatus.OK:
+        return 503, f"engine /health {health or 'unknown'}"
     return 200, "ready"
 
 
 # ------------------------------------------------------------------ metrics
 
+# Stands in for a GPU that cannot be read (or is not watched): every measurement unknown, so its gauges are left out.
+NO_READING = GpuSample(GpuStatus.DISABLED)
 
-def families(doc: dict | None, now: float) -> list:
+
+def families(doc: StateDocument | dict | None, now: float) -> list:
     """Every metric family, from one state document (pure). Unknown values are left out, not zeroed."""
     out = []
 
@@ -173,92 +182,82 @@ def families(doc: dict | None, now: float) -> list:
         out.append(fam)
         return fam
 
-    code, _ = healthz(doc, now)
+    d = view(doc)
+    code, _ = healthz(d, now)
     gauge("r3090d_serving", "1 when /healthz answers 200 (the load balancer may send traffic)", 1 if code == 200 else 0)
-    if not doc:
+    if d is None:
         gauge("r3090d_engine_up", "1 when the engine is ready", 0)
         return out
-    daemon = doc.get("daemon") or {}
-    engine = doc.get("engine") or {}
-    metrics = doc.get("metrics") or {}
-    gpu = doc.get("gpu") or {}
-    restarts = doc.get("restarts") or {}
-    alerts = doc.get("alerts") or {}
-    telemetry = doc.get("telemetry") or {}
-    thresholds = doc.get("thresholds") or {}  # absent from an older daemon's document
-    inference = doc.get("inference") or {}
-    phase = engine.get("phase")
+    daemon, engine, metrics, restarts = d.daemon, d.engine, d.metrics, d.restarts
+    thresholds = d.thresholds  # all None in an older daemon's document
+    ready = engine.phase is Phase.READY
 
     # Not `instance`: Prometheus sets that label to the target, and would rename ours exported_instance.
     info = GaugeMetricFamily("r3090d_info", "r3090d and the model it serves", labels=["version", "model", "unit_instance"])
-    inst = daemon.get("instance")
-    info.add_metric([str(daemon.get("version") or ""), str(engine.get("model") or ""), "" if inst is None else str(inst)], 1.0)
+    info.add_metric([daemon.version, engine.model, "" if daemon.instance is None else str(daemon.instance)], 1.0)
     out.append(info)
-    gauge("r3090d_state_written_timestamp_seconds", "Unix time the daemon last wrote its state (once per tick)", doc.get("written_at"))
-    gauge("r3090d_engine_up", "1 when the engine is ready", 1 if phase == Phase.READY.value else 0)
+    gauge("r3090d_state_written_timestamp_seconds", "Unix time the daemon last wrote its state (once per tick)", d.written_at)
+    gauge("r3090d_engine_up", "1 when the engine is ready", 1 if ready else 0)
     states = GaugeMetricFamily("r3090d_engine_state", "the engine's phase, one-hot", labels=["state"])
     for p in PHASES:
-        states.add_metric([p], 1.0 if phase == p else 0.0)
+        states.add_metric([p], 1.0 if engine.phase == p else 0.0)
     out.append(states)
-    gauge("r3090d_maintenance", "1 while maintenance mode pauses remediation", 1 if engine.get("maintenance") else 0)
-    ready_since = engine.get("ready_since")
-    gauge("r3090d_engine_ready_timestamp_seconds", "Unix time the engine became ready (absent while not ready)", ready_since if phase == Phase.READY.value and ready_since else None)
+    gauge("r3090d_maintenance", "1 while maintenance mode pauses remediation", 1 if engine.maintenance else 0)
+    gauge("r3090d_engine_ready_timestamp_seconds", "Unix time the engine became ready (absent while not ready)", engine.ready_since if ready and engine.ready_since else None)
 
     counter = CounterMetricFamily("r3090d_restarts", "engine restarts since the daemon started, by reason", labels=["reason"])
-    by_reason = {reason: 0 for reason in RESTART_REASONS} | dict(restarts.get("by_reason") or {})
+    by_reason = {reason: 0 for reason in RESTART_REASONS} | restarts.by_reason
     for reason, n in sorted(by_reason.items()):
         counter.add_metric([reason], float(n))
     out.append(counter)
-    gauge("r3090d_restart_backoff_level", "consecutive restarts without a stable period", restarts.get("backoff_level"))
+    gauge("r3090d_restart_backoff_level", "consecutive restarts without a stable period", restarts.backoff_level)
 
-    gauge("r3090d_kv_free_blocks", "free KV cache blocks: (num_gpu_blocks - 1) x (1 - usage)", metrics.get("free_blocks"))
-    gauge("r3090d_kv_free_blocks_threshold", "the KV rule's bound (watchdog.min_free_blocks): fewer free blocks than this is low", thresholds.get("kv_min_free_blocks"))
-    gauge("r3090d_kv_usage_ratio", "vLLM's KV cache usage, 0..1", metrics.get("kv_usage"))
-    gauge("r3090d_kv_total_blocks", "KV cache blocks vLLM allocated", metrics.get("num_gpu_blocks"))
-    gauge("r3090d_requests_running", "requests the engine is running", metrics.get("running"))
-    gauge("r3090d_requests_waiting", "requests waiting in the engine's queue", metrics.get("waiting"))
-    gauge("r3090d_inference_probe_latency_seconds", "how long the last finished inference probe took", inference.get("latency_s"))
-    gauge("r3090d_inference_probe_timestamp_seconds", "Unix time the last inference probe finished", inference.get("finished_at"))
+    gauge("r3090d_kv_free_blocks", "free KV cache blocks: (num_gpu_blocks - 1) x (1 - usage)", metrics.free_blocks)
+    gauge("r3090d_kv_free_blocks_threshold", "the KV rule's bound (watchdog.min_free_blocks): fewer free blocks than this is low", thresholds.kv_min_free_blocks)
+    gauge("r3090d_kv_usage_ratio", "vLLM's KV cache usage, 0..1", metrics.kv_usage)
+    gauge("r3090d_kv_total_blocks", "KV cache blocks vLLM allocated", metrics.num_gpu_blocks)
+    gauge("r3090d_requests_running", "requests the engine is running", metrics.running)
+    gauge("r3090d_requests_waiting", "requests waiting in the engine's queue", metrics.waiting)
+    gauge("r3090d_inference_probe_latency_seconds", "how long the last finished inference probe took", d.inference.latency_s)
+    gauge("r3090d_inference_probe_timestamp_seconds", "Unix time the last inference probe finished", d.inference.finished_at)
 
-    usable = gpu.get("status") == "ok"
-    gauge("r3090d_gpu_lost", "1 when NVML reports the GPU lost (reboot needed)", 1 if gpu.get("lost") or gpu.get("status") == "lost" else 0)
-    gauge("r3090d_gpu_memory_used_bytes", "GPU memory used (NVML v2, without driver-reserved)", gpu.get("memory_used") if usable else None)
-    gauge("r3090d_gpu_memory_total_bytes", "GPU memory in total", gpu.get("memory_total") if usable else None)
-    gauge("r3090d_gpu_memory_alert_threshold_bytes", "GPU memory used above which r3090d alerts (watchdog.gpu_memory_alert_mib)", thresholds.get("gpu_memory_alert_bytes"))
-    util = gpu.get("utilization_gpu")
-    gauge("r3090d_gpu_utilization_ratio", "GPU utilization, 0..1", util / 100.0 if usable and util is not None else None)
-    gauge("r3090d_gpu_temperature_celsius", "GPU temperature", gpu.get("temperature_c") if usable else None)
-    gauge("r3090d_gpu_power_watts", "GPU power draw", gpu.get("power_w") if usable else None)
-    gauge("r3090d_gpu_power_limit_watts", "GPU power limit", gpu.get("power_limit_w") if usable else None)
-    gauge("r3090d_gpu_pcie_link_width", "current PCIe link width (lanes)", gpu.get("pcie_width") if usable else None)
+    gpu = d.gpu or NO_READING
+    g = gpu if gpu.status is GpuStatus.OK else NO_READING
+    gauge("r3090d_gpu_lost", "1 when NVML reports the GPU lost (reboot needed)", 1 if gpu.lost or gpu.status is GpuStatus.LOST else 0)
+    gauge("r3090d_gpu_memory_used_bytes", "GPU memory used (NVML v2, without driver-reserved)", g.memory_used)
+    gauge("r3090d_gpu_memory_total_bytes", "GPU memory in total", g.memory_total)
+    gauge("r3090d_gpu_memory_alert_threshold_bytes", "GPU memory used above which r3090d alerts (watchdog.gpu_memory_alert_mib)", thresholds.gpu_memory_alert_bytes)
+    gauge("r3090d_gpu_utilization_ratio", "GPU utilization, 0..1", g.utilization_gpu / 100.0 if g.utilization_gpu is not None else None)
+    gauge("r3090d_gpu_temperature_celsius", "GPU temperature", g.temperature_c)
+    gauge("r3090d_gpu_power_watts", "GPU power draw", g.power_w)
+    gauge("r3090d_gpu_power_limit_watts", "GPU power limit", g.power_limit_w)
+    gauge("r3090d_gpu_pcie_link_width", "current PCIe link width (lanes)", g.pcie_width)
     clocks = GaugeMetricFamily("r3090d_gpu_clock_event_reason", "1 for each reason NVML gives for holding the clocks down (throttling), 0 for the others", labels=["reason"])
-    present = gpu.get("clock_event_reasons") if usable else None
+    present = g.clock_event_reasons
     if present is not None:
         for reason in CLOCK_EVENT_REASONS + tuple(r for r in present if r not in CLOCK_EVENT_REASONS):
             clocks.add_metric([reason], 1.0 if reason in present else 0.0)
     out.append(clocks)
     xid = CounterMetricFamily("r3090d_xid_errors", "XID critical-error events seen since the daemon started")
-    xid.add_metric([], float(telemetry.get("xid_errors_total") or 0))
+    xid.add_metric([], float(d.telemetry.xid_errors_total))
     out.append(xid)
 
-    firing = alerts.get("firing") or {}
-    book = ((doc.get("alert_book") or {}).get("entries")) or {}
+    firing, book = d.alerts.firing, d.alert_book.entries
     fam = GaugeMetricFamily("r3090d_alerts_firing", "1 while an alert is firing (0: known, not firing)", labels=["alert", "severity"])
     for key in sorted(set(firing) | set(book)):
-        entry = firing.get(key) or book.get(key) or {}
-        fam.add_metric([key, str(entry.get("severity") or "warning")], 1.0 if key in firing else 0.0)
+        severity = firing[key].severity if key in firing else book[key].severity
+        fam.add_metric([key, severity or "warning"], 1.0 if key in firing else 0.0)
     out.append(fam)
     silenced = GaugeMetricFamily("r3090d_alert_silenced_until_timestamp_seconds", "Unix time until which an alert's notifications are silenced", labels=["alert"])
-    for key, until in sorted((alerts.get("silenced") or {}).items()):
-        if until and until > now:
-            silenced.add_metric([key], float(until))
+    for key, until in sorted(d.alerts.active_silences(now).items()):
+        silenced.add_metric([key], until)
     out.append(silenced)
 
-    hist = telemetry.get("poll_duration_seconds")
-    if hist:
-        buckets = [(_le(upper), float(n)) for upper, n in hist["buckets"]] + [("+Inf", float(hist["count"]))]
+    hist = d.telemetry.poll_duration_seconds
+    if hist is not None:
+        buckets = [(_le(upper), float(n)) for upper, n in hist.buckets] + [("+Inf", float(hist.count))]
         h = HistogramMetricFamily("r3090d_poll_duration_seconds", "duration of the daemon's ticks (probes, policy, effectors)")
-        h.add_metric([], buckets, float(hist["sum"]))
+        h.add_metric([], buckets, hist.sum)
         out.append(h)
     return out
 

@@ -5,6 +5,11 @@ the daemon writes it to state.json and answers `r3090ctl status` with it, and
 the exporter and /healthz read it. Times in it are wall-clock (Unix) seconds:
 the policy's monotonic times are shifted by `offset`.
 
+Readers (the exporter, /healthz, `r3090ctl status`, `restart --wait`) read it
+through `parse()`, into the same types: it fills in what a partial document
+(written by preflight before the loop runs) or an older daemon's lacks, and
+refuses only a format it cannot read.
+
 FORMAT_VERSION grows when a field changes meaning or goes away. A reader accepts
 every version in READABLE_FORMATS; after an upgrade, a daemon started before it
 keeps writing its own (older) format until it is restarted.
@@ -215,6 +220,8 @@ class StateDocument:
 
 # ------------------------------------------------------------------ reading
 
+T = typing.TypeVar("T")
+
 
 def parse(doc: dict) -> StateDocument:
     """The typed view of a state document: from the daemon, its state file, or preflight's partial one.
@@ -228,7 +235,7 @@ def parse(doc: dict) -> StateDocument:
     if not isinstance(doc, dict):
         raise UnreadableFormat(f"the state is a JSON {type(doc).__name__}, not an object: the file is damaged; restart the daemon to rewrite it")
     check_format(doc)
-    parsed = _build(StateDocument, doc)
+    parsed = _converter(StateDocument)(doc)
     assert isinstance(parsed, StateDocument)  # every field has a default: building cannot fail
     return dataclasses.replace(parsed, format=doc.get("format", 1))
 
@@ -242,88 +249,123 @@ def view(doc: StateDocument | dict | None) -> StateDocument | None:
 
 def parse_section(cls: type[T], raw) -> T | None:
     """One section (any of the dataclasses above, or a sample it holds) from JSON data; None when unusable."""
-    built = _build(cls, raw)
+    built = _converter(cls)(raw)
     return None if built is _BAD else built
 
 
 _BAD = object()  # a value that does not fit its field
-T = typing.TypeVar("T")
 
 
 @functools.cache
-def _fields(cls: type) -> tuple[tuple[dataclasses.Field, object], ...]:
-    hints = typing.get_type_hints(cls)
-    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls) if f.init)
+def _converter(tp) -> typing.Callable:
+    """A function from JSON data to a value of type tp, or _BAD when it does not fit: built once per type.
 
-
-def _build(cls: type, raw):
-    """cls from a JSON object, field by field; _BAD when raw is no object or lacks a field without default."""
-    if not isinstance(raw, dict):
-        return _BAD
-    values = {}
-    for f, tp in _fields(cls):
-        key = f.metadata.get(KEY, f.name)
-        value = _coerce(tp, raw[key]) if key in raw else _BAD
-        if value is not _BAD:
-            values[f.name] = value
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            return _BAD
-    return cls(**values)
-
-
-def _coerce(tp, raw):
-    """raw as a value of type tp, or _BAD. Containers keep the items that fit and drop the others."""
+    Containers keep the items that fit and drop the others; a dataclass takes the
+    default of each field that is missing or does not fit, and is _BAD only when
+    a field without a default is.
+    """
     origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
     if origin is types.UnionType or origin is typing.Union:
-        args = typing.get_args(tp)
-        if raw is None:
-            return None if type(None) in args else _BAD
-        for arg in args:
-            value = _BAD if arg is type(None) else _coerce(arg, raw)
-            if value is not _BAD:
-                return value
-        return _BAD
+        nullable = type(None) in args
+        choices = tuple(_converter(a) for a in args if a is not type(None))
+
+        def union(raw):
+            if raw is None:
+                return None if nullable else _BAD
+            for choice in choices:
+                value = choice(raw)
+                if value is not _BAD:
+                    return value
+            return _BAD
+
+        return union
     if origin is dict:
-        key_type, value_type = typing.get_args(tp)
+        key_of, value_of = _converter(args[0]), _converter(args[1])
+
+        def mapping(raw):
+            if not isinstance(raw, dict):
+                return _BAD
+            pairs = ((key_of(k), value_of(v)) for k, v in raw.items())
+            return {k: v for k, v in pairs if k is not _BAD and v is not _BAD}
+
+        return mapping
+    if origin is tuple and args[-1] is not Ellipsis:  # fixed length: (upper, count), (major, minor)
+        members = tuple(_converter(a) for a in args)
+
+        def record(raw):
+            if not isinstance(raw, list | tuple) or len(raw) != len(members):
+                return _BAD
+            items = tuple(member(r) for member, r in zip(members, raw, strict=True))
+            return _BAD if any(v is _BAD for v in items) else items
+
+        return record
+    if origin is list or origin is tuple:
+        item_of, make = _converter(args[0]), origin
+
+        def sequence(raw):
+            if not isinstance(raw, list | tuple):
+                return _BAD
+            return make(v for v in map(item_of, raw) if v is not _BAD)
+
+        return sequence
+    if tp is bool:
+        return lambda raw: raw if isinstance(raw, bool) else _BAD
+    if tp is int:
+        return _integer
+    if tp is float:
+        return _real
+    if tp is str:
+        return lambda raw: raw if isinstance(raw, str) else _BAD
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        members = {m.value: m for m in tp}  # every enum in the document is str-valued
+
+        return lambda raw: members.get(raw, _BAD) if isinstance(raw, str) else _BAD
+    if dataclasses.is_dataclass(tp):
+        return _dataclass_converter(tp)
+    raise TypeError(f"no reader for {tp!r} in the state document")  # a programming error, found at import
+
+
+def _dataclass_converter(cls: type) -> typing.Callable:
+    hints = typing.get_type_hints(cls)
+    plan = []  # (field name, document key, converter, required)
+    for f in dataclasses.fields(cls):
+        if f.init:
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            plan.append((f.name, f.metadata.get(KEY, f.name), _converter(hints[f.name]), required))
+
+    def build(raw):
         if not isinstance(raw, dict):
             return _BAD
-        pairs = ((_coerce(key_type, k), _coerce(value_type, v)) for k, v in raw.items())
-        return {k: v for k, v in pairs if k is not _BAD and v is not _BAD}
-    if origin is list or origin is tuple:
-        if not isinstance(raw, list | tuple):
-            return _BAD
-        args = typing.get_args(tp)
-        if origin is tuple and args[-1] is not Ellipsis:  # fixed length: (upper, count), (major, minor)
-            if len(raw) != len(args):
+        values = {}
+        for name, key, convert, required in plan:
+            value = convert(raw[key]) if key in raw else _BAD
+            if value is not _BAD:
+                values[name] = value
+            elif required:
                 return _BAD
-            items = [_coerce(a, r) for a, r in zip(args, raw, strict=True)]
-            return _BAD if any(v is _BAD for v in items) else tuple(items)
-        items = [v for v in (_coerce(args[0], r) for r in raw) if v is not _BAD]
-        return items if origin is list else tuple(items)
-    if tp is bool:
-        return raw if isinstance(raw, bool) else _BAD
-    if tp is int:
-        if isinstance(raw, float) and raw.is_integer():
-            return int(raw)
-        return raw if isinstance(raw, int) and not isinstance(raw, bool) else _BAD
-    if tp is float:
-        if isinstance(raw, bool) or not isinstance(raw, int | float):
-            return _BAD
-        try:
-            value = float(raw)
-        except OverflowError:  # an int past float's range
-            return _BAD
-        return value if math.isfinite(value) else _BAD
-    if tp is str:
-        return raw if isinstance(raw, str) else _BAD
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        try:
-            return tp(raw) if isinstance(raw, str) else _BAD  # every enum in the document is str-valued
-        except ValueError:
-            return _BAD
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, raw)
-    return _BAD
+        return cls(**values)
+
+    return build
+
+
+def _integer(raw):
+    if isinstance(raw, float) and raw.is_integer():
+        return int(raw)
+    return raw if isinstance(raw, int) and not isinstance(raw, bool) else _BAD
+
+
+def _real(raw):
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
+        return _BAD
+    try:
+        value = float(raw)
+    except OverflowError:  # an int past float's range
+        return _BAD
+    return value if math.isfinite(value) else _BAD
+
+
+_converter(StateDocument)  # at import: a field of a type with no reader fails here, not in a reader
 
 
 def _to_json(value):

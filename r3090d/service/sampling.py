@@ -1,7 +1,10 @@
 """One tick's readings, frozen into a Snapshot: the child, /health and /metrics, NVML, the probe.
 
-/health is asked only while an engine of ours should be answering (starting or
-ready); /metrics once it is ready, or as soon as /health first says 200.
+/health is asked only while an engine of ours should be answering (starting,
+ready, or draining for a suspend, or being verified after one: `probe`);
+/metrics once it is ready, as soon as /health first says 200, and while draining
+for a suspend (its running and waiting counts end the drain). Nothing asks the
+engine while its GPU work is locked or checkpointed.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import time
 
 from r3090d.config import Config
 from r3090d.core.snapshot import EngineSample, GpuSample, GpuStatus, HealthSample, HealthStatus, Snapshot
-from r3090d.core.vocabulary import Phase
+from r3090d.core.vocabulary import SUSPEND_PHASES, Phase
 from r3090d.effectors.child import EngineProcess
 from r3090d.probes.engine import EngineProbe
 from r3090d.probes.inference import InferenceProber
@@ -19,10 +22,11 @@ from r3090d.service.commands import Pending
 
 
 class Sampler:
-    def __init__(self, cfg: Config, engine: EngineProcess, gpu_monitor, wake: threading.Event):
+    def __init__(self, cfg: Config, engine: EngineProcess, gpu_monitor, wake: threading.Event, suspend=None):
         self.engine = engine
         self.gpu_monitor = gpu_monitor
         self.wake = wake
+        self.suspend = suspend  # r3090d.service.suspend.SuspendService, or None
         self.last_metrics_text: str | None = None  # kept for the restart records
         self.configure(cfg)
 
@@ -35,26 +39,36 @@ class Sampler:
     def gpu(self) -> GpuSample:
         return self.gpu_monitor.latest(time.monotonic()) if self.gpu_monitor else GpuSample(GpuStatus.DISABLED)
 
-    def take(self, phase: Phase, *, shutdown: bool, pending: Pending) -> Snapshot:
+    def take(self, phase: Phase, *, shutdown: bool, pending: Pending, probe: bool | None = None) -> Snapshot:
+        """`probe`: ask /health (policy.probes_engine); None: only while starting or ready."""
         now = time.monotonic()
         child = self.engine.sample()
         health = HealthSample(HealthStatus.SKIPPED)
         engine = EngineSample()
-        if child.alive and phase in (Phase.STARTING, Phase.READY):
+        if probe is None:
+            probe = phase in (Phase.STARTING, Phase.READY)
+        if child.alive and probe:
             health = self.probe.health()
-            if phase is Phase.READY or health.status is HealthStatus.OK:
+            if phase in (Phase.READY, Phase.SUSPENDING) or health.status is HealthStatus.OK:
                 engine, self.last_metrics_text = self.probe.metrics()
         restart, maintenance, silences = pending.take()
+        suspend, resume = pending.take_suspend()
+        gpu = self.gpu()
         return Snapshot(
             now=now,
             wall=time.time(),
             child=child,
             health=health,
             engine=engine,
-            gpu=self.gpu(),
+            gpu=gpu,
             inference=self.prober.sample(),
             shutdown_requested=shutdown,
             restart_requested=restart,
             maintenance=maintenance,
             silences=silences,
+            suspend_requested=suspend,
+            resume_requested=resume,
+            suspender=self.suspend.sample() if self.suspend is not None else None,
+            # Names for a refused resume ("held by pid N (name)"): read only while the GPU is lent.
+            process_names=self.suspend.process_names(gpu) if self.suspend is not None and phase in SUSPEND_PHASES else (),
         )

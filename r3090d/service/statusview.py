@@ -16,10 +16,13 @@ import time
 from dataclasses import dataclass, field
 
 from r3090d import exitcodes
+from r3090d.core.snapshot import GpuSample, GpuStatus
+from r3090d.core.vocabulary import Phase
+from r3090d.service.report import StateDocument, parse_section, view
 
 LABELS = {exitcodes.OK: "OK", exitcodes.WARNING: "WARNING", exitcodes.CRITICAL: "CRITICAL", exitcodes.UNKNOWN: "UNKNOWN"}
-WARNING_PHASES = {"starting", "draining", "restarting", "backoff"}
-CRITICAL_PHASES = {"stopped", "given-up", "shutting-down"}
+WARNING_PHASES = frozenset({Phase.STARTING, Phase.DRAINING, Phase.RESTARTING, Phase.BACKOFF})
+CRITICAL_PHASES = frozenset({Phase.STOPPED, Phase.GIVEN_UP, Phase.SHUTTING_DOWN})
 GIB = 1024**3
 
 
@@ -36,38 +39,34 @@ class Verdict:
         return f"{self.label}: {'; '.join(self.reasons)}" if self.reasons else self.label
 
 
-def active_silences(doc: dict, now: float) -> dict[str, float]:
-    return {k: u for k, u in ((doc.get("alerts") or {}).get("silenced") or {}).items() if u and u > now}
-
-
-def evaluate(doc: dict | None, *, running: bool, now: float) -> Verdict:
+def evaluate(doc: StateDocument | dict | None, *, running: bool, now: float) -> Verdict:
+    """The verdict on a document (a dict is parsed first, and may raise UnreadableFormat)."""
     if not running:
         return Verdict(exitcodes.UNKNOWN, ("r3090d is not running",))
-    if doc is None:
+    d = view(doc)
+    if d is None:
         return Verdict(exitcodes.WARNING, ("r3090d is starting (no state yet)",))
-    engine = doc.get("engine") or {}
-    phase = engine.get("phase") or "unknown"
+    if d.waiting is not None and d.waiting.what:
+        return Verdict(exitcodes.WARNING, (f"r3090d is waiting for preflight before starting the engine: {d.waiting.what}",))
+    engine = d.engine
     crit: list[str] = []
     warn: list[str] = []
-    waiting = (doc.get("waiting") or {}).get("for")
-    if waiting:
-        return Verdict(exitcodes.WARNING, (f"r3090d is waiting for preflight before starting the engine: {waiting}",))
-    if phase == "given-up":
-        crit.append(f"gave up: {doc.get('give_up_reason') or 'too many restarts'}")
-    elif phase in ("stopped", "shutting-down"):
-        crit.append(f"engine {phase}")
-    elif phase in WARNING_PHASES:
-        reason = (doc.get("restarts") or {}).get("last_reason")
-        warn.append(f"engine {phase}" + (f" ({reason})" if reason and phase != "starting" else ""))
-    elif phase != "ready":
-        crit.append(f"engine in an unknown phase {phase!r}")
-    if engine.get("maintenance"):
+    if engine.phase is Phase.GIVEN_UP:
+        crit.append(f"gave up: {d.give_up_reason or 'too many restarts'}")
+    elif engine.phase in CRITICAL_PHASES:
+        crit.append(f"engine {engine.phase}")
+    elif engine.phase in WARNING_PHASES:
+        reason = d.restarts.last_reason
+        warn.append(f"engine {engine.phase}" + (f" ({reason})" if reason and engine.phase is not Phase.STARTING else ""))
+    elif engine.phase is not Phase.READY:
+        crit.append(f"engine in an unknown phase {engine.phase_name!r}")
+    if engine.maintenance:
         warn.append("maintenance mode")
-    muted = active_silences(doc, now)
-    for key, alert in sorted(((doc.get("alerts") or {}).get("firing") or {}).items()):
+    muted = d.alerts.active_silences(now)
+    for key, alert in sorted(d.alerts.firing.items()):
         if key in muted:
             continue
-        (crit if alert.get("severity") == "critical" else warn).append(f"{key} firing")
+        (crit if alert.severity == "critical" else warn).append(f"{key} firing")
     if crit:
         return Verdict(exitcodes.CRITICAL, tuple(crit + warn))
     if warn:
@@ -105,64 +104,55 @@ def _num(v, fmt="{:.0f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def panel(doc: dict, verdict: Verdict, now: float, *, note: str | None = None) -> list[str]:
+def panel(doc: StateDocument | dict, verdict: Verdict, now: float, *, note: str | None = None) -> list[str]:
     """The status panel as lines."""
-    daemon = doc.get("daemon") or {}
-    engine = doc.get("engine") or {}
-    metrics = doc.get("metrics") or {}
-    gpu = doc.get("gpu") or {}
-    restarts = doc.get("restarts") or {}
-    alerts = doc.get("alerts") or {}
+    d = view(doc) or StateDocument()
+    daemon, engine, metrics, restarts, alerts = d.daemon, d.engine, d.metrics, d.restarts, d.alerts
     lines = []
-    inst = daemon.get("instance")
-    name = "r3090d" + (f"@{inst}" if inst is not None else "")
+    name = "r3090d" + (f"@{daemon.instance}" if daemon.instance is not None else "")
     lines.append(
-        f"{name} {daemon.get('version', '?')} on {daemon.get('host', '?')}: pid {daemon.get('pid', '?')}, "
-        f"up {ago(now - daemon['started_at']) if daemon.get('started_at') else '-'}, config {daemon.get('config') or '-'}"
+        f"{name} {daemon.version or '?'} on {daemon.host or '?'}: pid {'?' if daemon.pid is None else daemon.pid}, "
+        f"up {ago(now - daemon.started_at) if daemon.started_at else '-'}, config {daemon.config or '-'}"
     )
     if note:
         lines.append(f"  ({note})")
-    phase = engine.get("phase") or "?"
-    state = phase + (" (maintenance)" if engine.get("maintenance") else "")
-    since = engine.get("since")
-    where = f"pid {engine['pid']}" if engine.get("pid") else "no process"
-    lines.append(f"Engine     {state} for {ago(now - since) if since else '-'}, {where}")
-    lines.append(f"Model      {engine.get('model') or '-'} at {engine.get('url') or '-'}")
-    if doc.get("next_action"):
-        lines.append(f"Next       {doc['next_action']}")
-    off = (doc.get("watch") or {}).get("gpu_signal_off")
-    if off and phase == "ready":
+    state = engine.phase_name + (" (maintenance)" if engine.maintenance else "")
+    where = f"pid {engine.pid}" if engine.pid else "no process"
+    lines.append(f"Engine     {state} for {ago(now - engine.since) if engine.since else '-'}, {where}")
+    lines.append(f"Model      {engine.model or '-'} at {engine.url or '-'}")
+    if d.next_action:
+        lines.append(f"Next       {d.next_action}")
+    off = d.watch.gpu_signal_off
+    if off and engine.phase is Phase.READY:
         lines.append(f"GPU view   not used: {off}; freezes are found by the counters and the probe")
-    if doc.get("give_up_reason"):
-        lines.append(f"Gave up    {doc['give_up_reason']}")
-    elif (doc.get("restarts") or {}).get("last_root_cause"):
-        lines.append(f"Last cause {doc['restarts']['last_root_cause']}")
-    usage = metrics.get("kv_usage")
-    if usage is not None or metrics.get("free_blocks") is not None:
-        total = metrics.get("num_gpu_blocks")
+    if d.give_up_reason:
+        lines.append(f"Gave up    {d.give_up_reason}")
+    elif restarts.last_root_cause:
+        lines.append(f"Last cause {restarts.last_root_cause}")
+    usage = metrics.kv_usage
+    if usage is not None or metrics.free_blocks is not None:
+        total = metrics.num_gpu_blocks
         lines.append(
             f"KV cache   {_num(usage * 100 if usage is not None else None)}% used, "
-            f"{_num(metrics.get('free_blocks'))} free blocks" + (f" of {total}" if total else "")
-            + f"; running {_num(metrics.get('running'))}, waiting {_num(metrics.get('waiting'))}"
+            f"{_num(metrics.free_blocks)} free blocks" + (f" of {total}" if total else "")
+            + f"; running {_num(metrics.running)}, waiting {_num(metrics.waiting)}"
         )
-    elif metrics.get("error"):
-        lines.append(f"KV cache   - ({metrics['error']})")
+    elif metrics.error:
+        lines.append(f"KV cache   - ({metrics.error})")
     else:
         lines.append("KV cache   -")
-    lines.append("GPU        " + gpu_line(gpu))
-    total = restarts.get("total") or 0
-    if total:
-        by = ", ".join(f"{k} {v}" for k, v in sorted((restarts.get("by_reason") or {}).items()))
-        last_at = restarts.get("last_at")
-        lines.append(f"Restarts   {total} ({by}); last: {restarts.get('last_reason')}, {ago(now - last_at) + ' ago' if last_at else '-'}")
+    lines.append("GPU        " + gpu_line(d.gpu))
+    if restarts.total:
+        by = ", ".join(f"{k} {v}" for k, v in sorted(restarts.by_reason.items()))
+        last_at = restarts.last_at
+        lines.append(f"Restarts   {restarts.total} ({by}); last: {restarts.last_reason}, {ago(now - last_at) + ' ago' if last_at else '-'}")
     else:
         lines.append("Restarts   none since the daemon started")
-    firing = alerts.get("firing") or {}
-    muted = active_silences(doc, now)
-    if firing:
-        for key, a in sorted(firing.items()):
+    muted = alerts.active_silences(now)
+    if alerts.firing:
+        for key, a in sorted(alerts.firing.items()):
             quiet = " [silenced]" if key in muted else ""
-            lines.append(f"Alert      {key} ({a.get('severity')}, {ago(now - a['since']) if a.get('since') else '-'}){quiet}: {a.get('summary')}")
+            lines.append(f"Alert      {key} ({a.severity}, {ago(now - a.since) if a.since else '-'}){quiet}: {a.summary}")
     else:
         lines.append("Alerts     none firing")
     for key, until in sorted(muted.items()):
@@ -171,52 +161,49 @@ def panel(doc: dict, verdict: Verdict, now: float, *, note: str | None = None) -
     return lines
 
 
-def gpu_line(gpu: dict) -> str:
-    status = gpu.get("status")
-    if status == "disabled":
+def gpu_line(gpu: GpuSample | dict | None) -> str:
+    """One line on the GPU: from the state document, or the dict a restart record keeps."""
+    g = parse_section(GpuSample, gpu) if isinstance(gpu, dict) else gpu
+    if g is None:
+        return "-"
+    if g.status is GpuStatus.DISABLED:
         return "not monitored (gpu.required = false)"
-    if status != "ok":
-        return f"{status or '-'}" + (f": {gpu['detail']}" if gpu.get("detail") else "")
-    parts = []
-    idx = gpu.get("index")
-    head = (f"{idx}: " if idx is not None else "") + (gpu.get("name") or "GPU")
-    parts.append(head)
-    used, total = gpu.get("memory_used"), gpu.get("memory_total")
-    if used is not None and total:
-        parts.append(f"memory {used / GIB:.1f}/{total / GIB:.1f} GiB")
-    if gpu.get("utilization_gpu") is not None:
-        parts.append(f"util {gpu['utilization_gpu']}%")
-    if gpu.get("temperature_c") is not None:
-        parts.append(f"{gpu['temperature_c']} C")
-    if gpu.get("power_w") is not None:
-        parts.append(f"{gpu['power_w']:.0f}" + (f"/{gpu['power_limit_w']:.0f}" if gpu.get("power_limit_w") else "") + " W")
-    if gpu.get("pcie_width") is not None:
-        link = f"PCIe Gen{gpu.get('pcie_gen') or '?'} x{gpu['pcie_width']}"
-        if gpu.get("pcie_width_max"):
-            link += f" (max Gen{gpu.get('pcie_gen_max') or '?'} x{gpu['pcie_width_max']})"
+    if g.status is not GpuStatus.OK:
+        return g.status.value + (f": {g.detail}" if g.detail else "")
+    parts = [(f"{g.index}: " if g.index is not None else "") + (g.name or "GPU")]
+    if g.memory_used is not None and g.memory_total:
+        parts.append(f"memory {g.memory_used / GIB:.1f}/{g.memory_total / GIB:.1f} GiB")
+    if g.utilization_gpu is not None:
+        parts.append(f"util {g.utilization_gpu}%")
+    if g.temperature_c is not None:
+        parts.append(f"{g.temperature_c} C")
+    if g.power_w is not None:
+        parts.append(f"{g.power_w:.0f}" + (f"/{g.power_limit_w:.0f}" if g.power_limit_w else "") + " W")
+    if g.pcie_width is not None:
+        link = f"PCIe Gen{g.pcie_gen or '?'} x{g.pcie_width}"
+        if g.pcie_width_max:
+            link += f" (max Gen{g.pcie_gen_max or '?'} x{g.pcie_width_max})"
         parts.append(link)
     return ", ".join(parts)
 
 
-def not_running_lines(doc: dict | None, pid_note: str, state_path: str, start_hint: str, now: float) -> list[str]:
+def not_running_lines(doc: StateDocument | dict | None, pid_note: str, state_path: str, start_hint: str, now: float) -> list[str]:
     """What `status` prints when the daemon is not running: its last word and how to start it."""
     lines = [f"r3090d is not running ({pid_note})."]
-    if doc is None:
+    d = view(doc)
+    if d is None:
         lines.append(f"No persisted state at {state_path}.")
     else:
-        engine = doc.get("engine") or {}
-        phase = engine.get("phase")
-        written = doc.get("written_at")
+        engine, written = d.engine, d.written_at
         lines.append(f"Last state written {clock(written)} ({ago(now - written) if written else '-'} ago) to {state_path}:")
-        if phase == "given-up":
-            lines.append(f"  gave up at {clock(engine.get('since'))} because {doc.get('give_up_reason') or 'of too many restarts'}")
-        elif phase == "shutting-down":
-            lines.append(f"  stopped on request at {clock(engine.get('since'))} (the engine was drained and stopped)")
+        if engine.phase is Phase.GIVEN_UP:
+            lines.append(f"  gave up at {clock(engine.since)} because {d.give_up_reason or 'of too many restarts'}")
+        elif engine.phase is Phase.SHUTTING_DOWN:
+            lines.append(f"  stopped on request at {clock(engine.since)} (the engine was drained and stopped)")
         else:
-            lines.append(f"  engine {phase or '?'} since {clock(engine.get('since'))}")
-        restarts = doc.get("restarts") or {}
-        if restarts.get("total"):
-            lines.append(f"  restarts: {restarts['total']}, last: {restarts.get('last_reason')} at {clock(restarts.get('last_at'))}")
+            lines.append(f"  engine {engine.phase_name} since {clock(engine.since)}")
+        if d.restarts.total:
+            lines.append(f"  restarts: {d.restarts.total}, last: {d.restarts.last_reason} at {clock(d.restarts.last_at)}")
     lines.append(f"Start it with: {start_hint}")
     return lines
 

@@ -448,3 +448,10 @@ def test_cli_alerts_test_posts_to_each_alertmanager_and_reports_a_dead_one(alert
     proc = ctl("alerts", "test", "--config", str(one), "--channel", "alertmanager")
     assert proc.returncode == exitcodes.OK, proc.stdout + proc.stderr
     assert proc.stdout.startswith(f"alertmanager -> {alertmanager.url}: sending test alert ... ok (")
+
+
+@pytest.mark.skipif(shutil.which("amtool") is None, reason="amtool is not installed (apt-get install prometheus-alertmanager)")
+def test_shipped_alertmanager_config_is_valid():
+    proc = subprocess.run(["amtool", "check-config", str(SHIPPED)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 inhibit rules" in proc.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
@@ -93,6 +94,22 @@ def test_ends_at_by_kind_and_state():
     assert am.body(event, WALL + 100)[0]["endsAt"] == "2027-01-15T08:05:00.000Z"  # the event's time + 5 min
     resolve = am.one_off_post(raised(state="resolved"))
     assert am.body(resolve, WALL + 100)[0]["endsAt"] == "2027-01-15T08:00:00.000Z"
+
+
+def test_every_event_condition_in_the_package_is_an_event_key():
+    """A SendAlert does not say it is one-shot: the channel knows events by name, and must know them all."""
+    found = {}
+    for path in (REPO / "r3090d").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "Condition"):
+                continue
+            event = next((k.value for k in node.keywords if k.arg == "event"), None)
+            if isinstance(event, ast.Constant) and event.value is True:
+                assert node.args and isinstance(node.args[0], ast.Constant), f"{path}:{node.lineno}: an event with a computed key"
+                found[node.args[0].value] = f"{path.relative_to(REPO)}:{node.lineno}"
+    assert "engine_restarted" in found
+    missing = {key: where for key, where in found.items() if key not in am.EVENT_KEYS}
+    assert not missing, f"add these to alertmanager.EVENT_KEYS: {missing}"
 
 
 def test_start_after_end_is_clamped_so_alertmanager_accepts_it():

@@ -89,11 +89,11 @@ def nvmlDeviceGetUUID(handle):
 
 
 def nvmlSystemGetDriverVersion():
-    return _card().get("driver", "535.183.01")
+    return _card().get("driver", "580.95.05")
 
 
 def nvmlSystemGetCudaDriverVersion_v2():
-    return _card().get("cuda", 12020)
+    return _card().get("cuda", 13000)
 
 
 def nvmlDeviceGetCudaComputeCapability(handle):

@@ -1,0 +1,243 @@
+"""`r3090ctl suspend | resume`: lend the GPU by checkpointing the engine, and take it back.
+
+The daemon answers at once: accepted (with a request number) or refused in one
+line. The work then runs over many ticks (drain, checkpoint; or room check,
+restore, one /health and one inference probe); `--wait` follows it through the
+state document until the request of that number has its result, as
+`restart --wait` follows a restart.
+
+Exit codes: 0 accepted (with --wait: done); 1 refused, failed, or the daemon
+cannot be reached; 69 (EX_UNAVAILABLE) when suspend can never work here: no GPU
+(gpu.required = false, the CPU demo), an engine on several GPUs, or a driver
+without process checkpointing. Nothing is done to the engine in any refusal.
+
+`suspend --test` suspends, resumes and sends one completion, then prints each
+step's time and the GPU memory the suspension freed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from r3090d import exitcodes
+from r3090d.cli.common import config_option, ctl, emit_json, instance_option, load_config
+from r3090d.cli.control_cmd import LOST_AFTER_S, ask, wait_ready
+from r3090d.core.suspension import Result
+from r3090d.service import control
+
+MIB = 1024 * 1024
+EXIT_UNAVAILABLE = exitcodes.PREFLIGHT_PERMANENT  # 69, EX_UNAVAILABLE: this host or config cannot suspend
+POLL_S = 0.1
+CODES = {Result.SUSPENDED: exitcodes.OK, Result.RESUMED: exitcodes.OK, Result.STARTED_COLD: exitcodes.OK,
+         Result.UNAVAILABLE: EXIT_UNAVAILABLE}  # fmt: skip
+
+
+def _status(cfg) -> dict | None:
+    """The daemon's state document, or None when it does not answer."""
+    try:
+        reply = control.request(cfg.daemon.runtime_dir, {"cmd": "status"}, 5.0)
+    except control.ClientError:
+        return None
+    return reply.get("state") if reply.get("ok") else None
+
+
+def _code(reply: dict) -> int:
+    if reply.get("ok"):
+        return exitcodes.OK
+    return EXIT_UNAVAILABLE if reply.get("unavailable") else exitcodes.WARNING
+
+
+def _show(reply: dict, as_json: bool) -> int:
+    code = _code(reply)
+    if as_json:
+        emit_json({**reply, "exit_code": code})
+    elif reply.get("ok"):
+        click.echo(reply.get("message") or "ok")
+    else:
+        click.echo(f"r3090ctl: refused: {reply.get('error') or 'no reason given'}", err=True)
+    return code
+
+
+def follow(cfg, request: int, daemon_pid, timeout: float, *, quiet: bool) -> dict:
+    """Print each phase (and stage) until the request's result is in the state document; return that result."""
+    start = last_seen = time.monotonic()
+    shown = None
+    while True:
+        now = time.monotonic()
+        doc = _status(cfg)
+        if doc is None:
+            if now - last_seen > LOST_AFTER_S:
+                return {"ok": False, "error": f"r3090d stopped answering {now - start:.0f} s into the wait"}
+        else:
+            last_seen = now
+            if daemon_pid is not None and (doc.get("daemon") or {}).get("pid") != daemon_pid:
+                return {"ok": False, "error": "r3090d restarted during the wait (r3090ctl status)"}
+            sus = doc.get("suspend") or {}
+            where = (doc.get("engine") or {}).get("phase"), sus.get("stage")
+            if where != shown and not quiet:
+                click.echo(f"  +{now - start:5.1f} s  {where[0]}" + (f" ({where[1]})" if where[1] and where[1] != where[0] else ""))
+            shown = where
+            last = sus.get("last") or {}
+            if last.get("request") == request:
+                result = Result(last["result"])
+                return {"ok": CODES.get(result) == exitcodes.OK, "result": result.value, "detail": last.get("detail", ""),
+                        "after_s": round(now - start, 2), "doc": doc}  # fmt: skip
+        if now - start > timeout:
+            return {"ok": False, "error": f"no result after {timeout:.0f} s; the operation goes on (r3090ctl status)"}
+        time.sleep(POLL_S)
+
+
+def _finish(reply: dict, result: dict, as_json: bool) -> int:
+    code = CODES.get(Result(result["result"]), exitcodes.WARNING) if "result" in result else exitcodes.WARNING
+    text = result.get("detail") or result.get("error") or ""
+    if as_json:
+        emit_json({**reply, **{k: v for k, v in result.items() if k != "doc"}, "exit_code": code})
+    elif code == exitcodes.OK:
+        click.echo(f"{result['result']} after {result['after_s']:.1f} s: {text}")
+    else:
+        click.echo(f"r3090ctl: {result.get('result', 'failed')}: {text}", err=True)
+    return code
+
+
+def _suspend_timeout(cfg) -> float:
+    return cfg.watchdog.lb_grace + cfg.suspend.drain_timeout + cfg.suspend.operation_timeout + 30
+
+
+def _resume_timeout(cfg) -> float:
+    return cfg.watchdog.nvml_hung_after + cfg.suspend.operation_timeout + cfg.suspend.verify_timeout + 30
+
+
+@ctl.command("suspend")
+@click.option("--wait", is_flag=True, help="show progress until the engine is suspended")
+@click.option("--test", "test", is_flag=True, help="suspend, resume and send one completion; print step times and the VRAM freed")
+@click.option("--timeout", type=click.FloatRange(min=1), metavar="SECONDS", help="with --wait: give up waiting after this long")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@config_option
+@instance_option
+def suspend_command(wait, test, timeout, as_json, config_path, instance) -> int:
+    """Lend the GPU: drain the engine, then checkpoint it (its GPU memory moves into its host memory)."""
+    if test:
+        return _self_test(load_config(config_path, instance), timeout, as_json)
+    cfg = load_config(config_path, instance, check_files=False)
+    before = _status(cfg) or {}
+    reply = ask(cfg, {"cmd": "suspend"})
+    if not reply.get("ok") or not wait:
+        return _show(reply, as_json)
+    if not as_json:
+        click.echo(reply.get("message") or "accepted")
+    result = follow(cfg, reply["request"], (before.get("daemon") or {}).get("pid"), timeout or _suspend_timeout(cfg), quiet=as_json)
+    return _finish(reply, result, as_json)
+
+
+@ctl.command("resume")
+@click.option("--wait", is_flag=True, help="show progress until the engine serves again")
+@click.option("--timeout", type=click.FloatRange(min=1), metavar="SECONDS", help="with --wait: give up waiting after this long")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@config_option
+@instance_option
+def resume_command(wait, timeout, as_json, config_path, instance) -> int:
+    """Take the GPU back: check it has room, restore the engine, and serve once /health and a probe pass."""
+    cfg = load_config(config_path, instance, check_files=False)
+    before = _status(cfg) or {}
+    reply = ask(cfg, {"cmd": "resume"})
+    if not reply.get("ok") or not wait:
+        return _show(reply, as_json)
+    if not as_json:
+        click.echo(reply.get("message") or "accepted")
+    limit = timeout or _resume_timeout(cfg)
+    started = time.monotonic()
+    result = follow(cfg, reply["request"], (before.get("daemon") or {}).get("pid"), limit, quiet=as_json)
+    if result.get("result") == Result.STARTED_COLD.value:
+        # No engine was left to restore: a new one loads, as after a restart.
+        engine = before.get("engine") or {}
+        left = max(1.0, limit + cfg.engine.startup_timeout - (time.monotonic() - started))
+        ready = wait_ready(cfg, engine.get("generation"), engine.get("pid"), left, quiet=as_json)
+        result = {**result, "ok": ready["ok"], "detail": ready.get("message") or ready.get("error", "")}
+        if not ready["ok"]:
+            result["result"] = Result.FAILED.value
+    return _finish(reply, result, as_json)
+
+
+# ------------------------------------------------------------------ --test
+
+
+def _completion(cfg) -> tuple[bool, float, str]:
+    from r3090d.probes.http import engine_session
+
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    body = {"model": cfg.model_name, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+    t0 = time.monotonic()
+    try:
+        with engine_session() as session:
+            r = session.post(cfg.engine_url + "/v1/completions", json=body, headers=headers, timeout=cfg.watchdog.probe_timeout + 30)
+        return r.status_code == 200, time.monotonic() - t0, "" if r.status_code == 200 else f"HTTP {r.status_code}"
+    except Exception as exc:  # noqa: BLE001 - reported, as a failed step
+        return False, time.monotonic() - t0, type(exc).__name__
+
+
+def _steps(doc: dict) -> dict[str, float]:
+    worker = (doc.get("suspend") or {}).get("worker") or {}
+    return {s["step"]: s["took_s"] for s in worker.get("steps") or [] if s.get("ok")}
+
+
+def _used_while_suspended(cfg, pid, daemon_pid) -> int | None:
+    """GPU memory used once NVML no longer lists the checkpointed pid (a reading taken after the checkpoint)."""
+    deadline = time.monotonic() + max(10.0, 5 * cfg.watchdog.poll_interval)
+    while time.monotonic() < deadline:
+        doc = _status(cfg) or {}
+        gpu = doc.get("gpu") or {}
+        procs = gpu.get("processes")
+        if procs is not None and pid not in [p.get("pid") for p in procs]:
+            return gpu.get("memory_used")
+        time.sleep(POLL_S)
+    return None
+
+
+def _self_test(cfg, timeout: float | None, as_json: bool) -> int:
+    before = _status(cfg)
+    if before is None or (before.get("engine") or {}).get("phase") != "ready":
+        phase = (before or {}).get("engine", {}).get("phase", "unreachable")
+        return _show({"ok": False, "error": f"the engine is {phase}: --test needs a ready engine"}, as_json)
+    daemon_pid = (before.get("daemon") or {}).get("pid")
+    used_before = (before.get("gpu") or {}).get("memory_used")
+    report: dict = {"ok": False}
+    reply = ask(cfg, {"cmd": "suspend"})
+    if not reply.get("ok"):
+        return _show(reply, as_json)
+    sus = follow(cfg, reply["request"], daemon_pid, timeout or _suspend_timeout(cfg), quiet=True)
+    if sus.get("result") != Result.SUSPENDED.value:
+        return _finish(reply, sus, as_json)
+    doc = sus["doc"]
+    pid, gpu_bytes = doc["suspend"].get("pid"), doc["suspend"].get("gpu_bytes")
+    used_during = _used_while_suspended(cfg, pid, daemon_pid)
+    report.update(suspend_s=sus["after_s"], suspend_steps=_steps(doc), gpu_bytes=gpu_bytes,
+                  vram_freed_bytes=used_before - used_during if used_before is not None and used_during is not None else None)  # fmt: skip
+    reply = ask(cfg, {"cmd": "resume"})
+    if not reply.get("ok"):
+        return _show(reply, as_json)
+    res = follow(cfg, reply["request"], daemon_pid, timeout or _resume_timeout(cfg), quiet=True)
+    report.update(resume_s=res.get("after_s"), resume_steps=_steps(res.get("doc") or {}), resume_result=res.get("result"))
+    if res.get("result") != Result.RESUMED.value:
+        report["error"] = res.get("detail") or res.get("error")
+    else:
+        ok, took, why = _completion(cfg)
+        report.update(ok=ok, completion_s=round(took, 3), error=why)
+    code = exitcodes.OK if report["ok"] else exitcodes.WARNING
+    if as_json:
+        emit_json({**report, "exit_code": code})
+        return code
+    steps = {**report.get("suspend_steps", {}), **report.get("resume_steps", {})}
+    click.echo(f"suspend   {report['suspend_s']:6.2f} s  (" + ", ".join(f"{k} {steps[k]:.2f} s" for k in ("lock", "checkpoint") if k in steps) + ")")
+    if report.get("resume_s") is not None:
+        click.echo(f"resume    {report['resume_s']:6.2f} s  (" + ", ".join(f"{k} {steps[k]:.2f} s" for k in ("restore", "unlock") if k in steps) + ", then /health and a probe)")
+    if "completion_s" in report:
+        click.echo(f"complete  {report['completion_s']:6.2f} s  ({'ok' if report['ok'] else report['error']})")
+    freed = report.get("vram_freed_bytes")
+    click.echo(f"VRAM freed: {freed / MIB:.0f} MiB" if freed is not None else "VRAM freed: not measured (NVML gave no reading)",
+               nl=False)  # fmt: skip
+    click.echo(f" (the engine's process held {gpu_bytes / MIB:.0f} MiB)" if gpu_bytes else "")
+    if not report["ok"]:
+        click.echo(f"r3090ctl: suspend test failed: {report.get('error')}", err=True)
+    return code

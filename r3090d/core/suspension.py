@@ -1,0 +1,517 @@
+"""Suspend and resume, pure: lend the GPU by checkpointing the engine, and take it back.
+
+`r3090ctl suspend` on a READY engine walks these stages (each tick, `advance()`
+reads the snapshot and says what the policy must do; the driver calls run in
+the suspender's worker process, never in the loop):
+
+    SUSPENDING  draining       /healthz 503 (any phase but ready), the load balancer's
+                               grace, then until vLLM reports nothing running or waiting,
+                               up to suspend.drain_timeout
+                checkpointing  lock + checkpoint of the engine's one GPU process
+    SUSPENDED   suspended      the engine's GPU memory is in its host memory, its process
+                               waits; or ("cold") there is no engine process any more
+    RESUMING    checking       a fresh NVML reading must show free memory for what the
+                               engine held, plus a margin; else refused, still SUSPENDED
+                restoring      restore + unlock (a cold suspension starts the engine instead)
+                verifying      one /health 200 and one passing inference probe, then READY
+    either      querying       the worker ended without a result: ask the driver's state
+
+Requests still running at the drain deadline are frozen with the engine, not
+aborted: the API server keeps their connections open, the engine continues them
+after resume, nothing is lost (only a client's own timeout can end them). vLLM's
+/abort_requests exists only in its dev mode and would lose the work.
+
+Failures: a driver error the worker could undo (kept_running) sends the engine
+through `verifying` back to READY with a one-line error; a worker without a
+driver (unavailable) touched nothing and READY follows at once; any other
+failure restarts the engine cold with reason suspend_failed or resume_failed.
+An engine that dies while suspended (its RSS grew by what it held on the GPU, so
+the OOM killer may pick it) leaves the suspension standing "cold": resume then
+starts a new engine, after the same room check.
+
+While in these phases no liveness rule judges the engine and no probe is sent
+but the one `verifying` sends (the policy never calls rules.assess here).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+from r3090d.config import MIB, Config
+from r3090d.core.actions import (
+    Action,
+    QueryEngineState,
+    RequestGpuSample,
+    ResetProbes,
+    ResumeEngine,
+    SaveSuspension,
+    SendInferenceProbe,
+    StopEngine,
+    SuspendEngine,
+    SuspendRecord,
+)
+from r3090d.core.rules import Condition
+from r3090d.core.snapshot import GpuProcess, HealthStatus, Snapshot
+from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartReason
+from r3090d.effectors.checkpoint import ProcessState
+from r3090d.effectors.suspender import SuspendSample, can_resume, pick_target
+from r3090d.effectors.suspender_worker import Outcome
+
+GIB = 1024 * MIB
+HOW_TO_RESUME = "r3090ctl resume"
+# The flags that spread the engine over several GPUs, as "--flag N" or "--flag=N".
+PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp")
+
+
+class Stage(enum.StrEnum):
+    DRAINING = "draining"
+    CHECKPOINTING = "checkpointing"
+    SUSPENDED = "suspended"
+    CHECKING = "checking"
+    RESTORING = "restoring"
+    QUERYING = "querying"
+    VERIFYING = "verifying"
+
+
+# The engine cannot drain in these: its GPU work is locked (a stop must be fast).
+FROZEN_STAGES = (Stage.CHECKPOINTING, Stage.SUSPENDED, Stage.CHECKING, Stage.RESTORING, Stage.QUERYING)
+# /health (and, draining, /metrics) are read in these; in the others nothing asks the engine.
+PROBED_STAGES = (Stage.DRAINING, Stage.VERIFYING)
+
+
+class Result(enum.StrEnum):
+    """How an operator's suspend or resume ended; `r3090ctl suspend|resume --wait` reports it."""
+
+    SUSPENDED = "suspended"
+    RESUMED = "resumed"
+    STARTED_COLD = "started_cold"  # resume of a suspension without an engine process: a new engine starts
+    REFUSED = "refused"  # nothing was done
+    UNAVAILABLE = "unavailable"  # this host or config cannot checkpoint: nothing was done
+    KEPT_RUNNING = "kept_running"  # the driver failed and undid its step: the engine serves as before
+    FAILED = "failed"  # the engine restarts cold
+
+
+@dataclass(frozen=True)
+class SuspendResult:
+    request: int  # the number the control reply gave the operator
+    op: str  # "suspend" | "resume"
+    result: Result
+    detail: str
+    at: float  # monotonic
+
+
+@dataclass(frozen=True)
+class Suspension:
+    """A suspension under way or standing; PolicyState.suspension is None outside SUSPEND_PHASES."""
+
+    stage: Stage
+    stage_since: float
+    request: int  # the operator request the current stage answers
+    resuming: bool = False  # the operation under way is a resume (its failures are resume_failed)
+    target: int | None = None  # the engine's GPU process, checkpointed or to be
+    bytes: int = 0  # GPU memory the target held: what resuming needs free again
+    since: float | None = None  # monotonic: when the engine became suspended
+    since_wall: float | None = None
+    cold: bool = False  # no engine process behind the suspension: resume starts one
+    op_sent_at: float | None = None  # when the worker's operation was asked for
+    frozen_requests: int = 0  # requests left running at the drain deadline, frozen with the engine
+    error: str = ""  # the last refusal or failure, one line
+
+    @property
+    def phase(self) -> Phase:
+        if self.stage in (Stage.DRAINING, Stage.CHECKPOINTING):
+            return Phase.SUSPENDING
+        if self.stage is Stage.SUSPENDED:
+            return Phase.SUSPENDED
+        if self.stage is Stage.QUERYING:
+            return Phase.RESUMING if self.resuming else Phase.SUSPENDING
+        return Phase.RESUMING
+
+    def record(self, engine_pid: int | None) -> SuspendRecord:
+        return SuspendRecord(pid=self.target or 0, engine_pid=engine_pid, bytes=self.bytes, since=self.since_wall or 0.0)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    text: str
+    unavailable: bool = False  # suspend can never work with this host or config (r3090ctl exits 69)
+
+
+@dataclass(frozen=True)
+class Move:
+    """What one tick of a suspension asks of the policy."""
+
+    suspension: Suspension | None  # None: the suspension is over
+    phase: Phase
+    actions: tuple[Action, ...] = ()
+    result: SuspendResult | None = None  # an operator request answered this tick
+    fail: tuple[RestartReason, str] | None = None  # restart the engine cold, for this reason
+    start_cold: bool = False  # start a new engine now (a cold suspension resumed)
+    event: Condition | None = None
+
+
+# ------------------------------------------------------------------ checks
+
+
+def parallel_size(extra_args: list | tuple) -> int:
+    """Tensor x pipeline parallel size from engine.extra_args: above 1 the engine has several GPU processes."""
+    sizes = {"tensor": 1, "pipeline": 1}
+    args = [str(a) for a in extra_args]
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        flag = flag.replace("_", "-")  # vLLM's parser takes --tensor_parallel_size too
+        if flag not in PARALLEL_FLAGS:
+            continue
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        try:
+            size = int(value)
+        except ValueError:
+            continue  # vLLM refuses it anyway
+        sizes["tensor" if flag in PARALLEL_FLAGS[:2] else "pipeline"] = size
+    return sizes["tensor"] * sizes["pipeline"]
+
+
+def unavailable_here(cfg: Config) -> Refusal | None:
+    """Why suspend can never work with this config, or None (also for preflight and config check)."""
+    if not cfg.gpu.required:
+        return Refusal(f"there is no GPU to lend: gpu.required is false in {cfg.source or 'the config'}", unavailable=True)
+    size = parallel_size(cfg.engine.extra_args)
+    if size > 1:
+        return Refusal(f"the engine runs on {size} GPUs (tensor/pipeline parallelism in engine.extra_args): "
+                       "a multi-GPU engine cannot be checkpointed", unavailable=True)  # fmt: skip
+    return None
+
+
+def _unique(procs) -> list[GpuProcess]:
+    """One entry per pid (NVML may list a process as both compute and graphics): the larger figure."""
+    best: dict[int, GpuProcess] = {}
+    for p in procs:
+        seen = best.get(p.pid)
+        if seen is None or (p.used_bytes or 0) > (seen.used_bytes or 0):
+            best[p.pid] = p
+    return list(best.values())
+
+
+def target(snap: Snapshot) -> tuple[int | None, int, str]:
+    """(pid, GPU bytes it holds, "") of the engine's one GPU process, or (None, 0, why not)."""
+    g = snap.gpu
+    if not g.usable:
+        return None, 0, f"NVML gives no reading ({g.status.value}{': ' + g.detail if g.detail else ''}): cannot see which process holds the GPU"
+    if g.processes is None:
+        return None, 0, "NVML does not list the GPU's processes: cannot see which process holds the GPU"
+    procs = _unique(g.processes + (g.graphics_processes or ()))
+    pid, why = pick_target(procs, snap.child.tree_pids)
+    if pid is None:
+        return None, 0, why
+    held = next(p.used_bytes for p in procs if p.pid == pid)
+    # Without a per-process figure, all the card holds is what the room check must find again.
+    return pid, held if held is not None else (g.memory_used or 0), ""
+
+
+def suspend_refusal(cfg: Config, phase: Phase, snap: Snapshot) -> Refusal | None:
+    """Why `r3090ctl suspend` is refused now, or None: answered at once, and checked again at the lock."""
+    why = unavailable_here(cfg)
+    if why is not None:
+        return why
+    if phase is Phase.SUSPENDED:
+        return Refusal(f"the engine is already suspended ({HOW_TO_RESUME} brings it back)")
+    if phase in SUSPEND_PHASES:
+        return Refusal(f"the engine is {phase.value}: wait for it to finish")
+    if phase is not Phase.READY:
+        return Refusal(f"the engine is {phase.value}, not ready: nothing to suspend")
+    pid, _, why = target(snap)
+    return Refusal(why) if pid is None else None
+
+
+def resume_refusal(phase: Phase, s: Suspension | None) -> Refusal | None:
+    if phase is Phase.SUSPENDED and s is not None:
+        return None
+    if phase in SUSPEND_PHASES:
+        return Refusal(f"the engine is {phase.value}: wait for it to finish")
+    return Refusal(f"the engine is {phase.value}, not suspended: nothing to resume")
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GIB:.1f} GiB"
+
+
+def resume_room(s: Suspension, snap: Snapshot, cfg: Config) -> tuple[bool, str]:
+    """can_resume() on this (fresh) reading; a refusal names who holds the memory, with process names."""
+    g = snap.gpu
+    margin = cfg.suspend.resume_margin_mib * MIB
+    engine = set(snap.child.tree_pids)
+    holders = [p for p in _unique((g.processes or ()) + (g.graphics_processes or ())) if p.pid not in engine]
+    ok, reason = can_resume(g.memory_free, s.bytes, margin, holders)
+    if ok or g.memory_free is None:
+        return ok, reason
+    names = dict(snap.process_names)
+    held = sorted(holders, key=lambda h: h.used_bytes or 0, reverse=True)
+    who = ", ".join(f"pid {h.pid} ({names.get(h.pid, '?')}, {_gib(h.used_bytes)})" for h in held)
+    who = who or "no process NVML lists (another container?)"
+    return False, f"{_gib(g.memory_free)} free, {_gib(s.bytes)} + {_gib(margin)} margin needed; held by {who}"
+
+
+# ------------------------------------------------------------------ stages
+
+
+def begin(snap: Snapshot, cfg: Config, now: float, request: int) -> Move:
+    """READY and `r3090ctl suspend` accepted: start draining, or refuse if things changed since the reply."""
+    refusal = suspend_refusal(cfg, Phase.READY, snap)
+    if refusal is not None:
+        result = Result.UNAVAILABLE if refusal.unavailable else Result.REFUSED
+        return Move(None, Phase.READY, result=SuspendResult(request, "suspend", result, refusal.text, now))
+    pid, held, _ = target(snap)
+    return Move(Suspension(Stage.DRAINING, now, request, target=pid, bytes=held), Phase.SUSPENDING)
+
+
+def from_record(record: SuspendRecord, now: float, since: float) -> Suspension:
+    """A daemon started with a suspension on record: no engine of its own, so a cold one."""
+    return Suspension(Stage.SUSPENDED, now, 0, target=record.pid, bytes=record.bytes, since=since, since_wall=record.since, cold=True)
+
+
+def _stay(s: Suspension, actions: tuple[Action, ...] = ()) -> Move:
+    return Move(s, s.phase, actions)
+
+
+def _to(s: Suspension, stage: Stage, now: float, **changes) -> Suspension:
+    return replace(s, stage=stage, stage_since=now, **changes)
+
+
+def _finished(sample: SuspendSample | None, sent_at: float | None) -> SuspendSample | None:
+    """The worker's result for the operation asked at `sent_at`, once it has one."""
+    if sample is None or sent_at is None or sample.started_at is None or sample.started_at < sent_at or sample.in_flight:
+        return None
+    return sample
+
+
+def _result(s: Suspension, result: Result, detail: str, now: float) -> SuspendResult:
+    return SuspendResult(s.request, "resume" if s.resuming else "suspend", result, detail, now)
+
+
+def _reason(s: Suspension) -> RestartReason:
+    return RestartReason.RESUME_FAILED if s.resuming else RestartReason.SUSPEND_FAILED
+
+
+def _fail(s: Suspension, detail: str, now: float) -> Move:
+    what = "resume" if s.resuming else "suspend"
+    return Move(None, s.phase, (SaveSuspension(None),), result=_result(s, Result.FAILED, f"{detail}; the engine restarts cold", now),
+                fail=(_reason(s), f"{what} failed: {detail}"))  # fmt: skip
+
+
+def _lost(s: Suspension, snap: Snapshot) -> bool:
+    """The engine behind a suspension that is not already cold has gone."""
+    child = snap.child
+    return not s.cold and (not child.alive or (s.target is not None and s.target not in child.tree_pids))
+
+
+def _gone_cold(s: Suspension, snap: Snapshot, now: float) -> Move:
+    """The engine died while being suspended or while suspended: the suspension stands, without an engine."""
+    child = snap.child
+    code = f" with code {child.exit_code}" if child.exit_code is not None else ""
+    text = f"the suspended engine exited{code} (OOM-killed? its host memory grew by {_gib(s.bytes)}); {HOW_TO_RESUME} starts it cold"
+    since = s.since if s.since is not None else now
+    s = _to(s, Stage.SUSPENDED, now, cold=True, since=since, since_wall=s.since_wall if s.since_wall is not None else snap.wall, error=text)
+    actions: list[Action] = [SaveSuspension(s.record(None))]
+    if (child.alive or child.tree_pids) and not child.stopping:
+        actions.append(StopEngine(drain=False, reason="suspended engine lost"))
+    return Move(s, Phase.SUSPENDED, tuple(actions), event=Condition("suspended_engine_lost", True, "warning", text, event=True))
+
+
+def advance(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
+    """One tick of a suspension under way or standing; `grace` is the load balancer's (policy.lb_grace)."""
+    handler = {
+        Stage.DRAINING: _draining,
+        Stage.CHECKPOINTING: _checkpointing,
+        Stage.SUSPENDED: _suspended,
+        Stage.CHECKING: _checking,
+        Stage.RESTORING: _restoring,
+        Stage.QUERYING: _querying,
+        Stage.VERIFYING: _verifying,
+    }[s.stage]
+    return handler(s, snap, cfg, now, grace)
+
+
+def _draining(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
+    if _lost(s, snap):
+        return _gone_cold(s, snap, now)
+    if now < s.stage_since + grace:
+        return _stay(s)  # /healthz already says 503: the load balancer is taking the node out
+    eng = snap.engine
+    busy = 0 if eng.error is None and eng.running is not None else None
+    if busy is not None:
+        busy = round((eng.running or 0) + (eng.waiting or 0))
+    if busy != 0 and now < s.stage_since + grace + cfg.suspend.drain_timeout:
+        return _stay(s)
+    pid, held, why = target(snap)  # the tree or the card may have changed since the request
+    if pid is None:
+        return Move(None, Phase.READY, (ResetProbes(),), result=_result(s, Result.REFUSED, why, now))
+    frozen = busy if busy is not None else 0
+    s = _to(s, Stage.CHECKPOINTING, now, target=pid, bytes=held, op_sent_at=now, frozen_requests=frozen)
+    return _stay(s, (SuspendEngine(pid, round(cfg.suspend.lock_timeout * 1000), frozen),))
+
+
+def _checkpointing(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
+    done = _finished(snap.suspender, s.op_sent_at)
+    if done is None:
+        return _stay(s)  # the worker runs; the loop keeps ticking
+    outcome, error = done.outcome, done.error or f"the worker reported {done.outcome}"
+    if outcome is Outcome.SUSPENDED:
+        if _lost(s, snap):
+            return _gone_cold(replace(s, since=now, since_wall=snap.wall), snap, now)
+        s = _to(s, Stage.SUSPENDED, now, since=now, since_wall=snap.wall, error="", op_sent_at=None)
+        return Move(s, Phase.SUSPENDED, (SaveSuspension(s.record(snap.child.pid)),), result=_result(s, Result.SUSPENDED, _freed(s), now))
+    return _after_error(s, done, snap, now, outcome, error)
+
+
+def _freed(s: Suspension) -> str:
+    frozen = f"; {s.frozen_requests} request(s) frozen with it, to finish after resume" if s.frozen_requests else ""
+    return f"pid {s.target} suspended, {_gib(s.bytes)} of GPU memory freed{frozen}"
+
+
+def _after_error(s: Suspension, done: SuspendSample, snap: Snapshot, now: float, outcome, error: str) -> Move:
+    """A worker operation (suspend or resume) that did not do what was asked."""
+    if outcome is Outcome.KEPT_RUNNING:
+        s = _to(s, Stage.VERIFYING, now, error=error)
+        what = "resume" if s.resuming else "suspend"
+        result = None if s.resuming else _result(s, Result.KEPT_RUNNING, f"{what} failed, the engine kept running: {error}", now)
+        return Move(s, Phase.RESUMING, (ResetProbes(),), result=result)
+    if outcome in (Outcome.UNAVAILABLE, Outcome.REJECTED):
+        result = Result.UNAVAILABLE if outcome is Outcome.UNAVAILABLE else Result.REFUSED
+        if s.resuming:  # nothing was restored: still suspended
+            s = _to(s, Stage.SUSPENDED, now, error=error, resuming=False, op_sent_at=None)
+            return Move(s, Phase.SUSPENDED, (SaveSuspension(s.record(snap.child.pid)),), result=SuspendResult(s.request, "resume", result, error, now))
+        return Move(None, Phase.READY, (ResetProbes(),), result=_result(s, result, f"suspend unavailable, nothing was done: {error}", now))
+    if outcome is Outcome.FAILED:
+        return _fail(s, error, now)
+    # UNKNOWN (the worker ended without a result), or an answer that fits no operation: ask the driver.
+    if s.target is None:
+        return _fail(s, error, now)
+    s = _to(s, Stage.QUERYING, now, error=error, op_sent_at=now)
+    return _stay(s, (QueryEngineState(s.target),))
+
+
+def _querying(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
+    done = _finished(snap.suspender, s.op_sent_at)
+    if done is None:
+        return _stay(s)
+    state = done.state if done.outcome is Outcome.REPORTED else None
+    if state is ProcessState.RUNNING and snap.child.alive:
+        return _after_error(s, done, snap, now, Outcome.KEPT_RUNNING, s.error)
+    if state is ProcessState.CHECKPOINTED:
+        if _lost(s, snap):
+            return _gone_cold(s, snap, now)
+        if s.resuming:
+            s = _to(s, Stage.SUSPENDED, now, resuming=False, op_sent_at=None)
+            return Move(s, Phase.SUSPENDED, (SaveSuspension(s.record(snap.child.pid)),),
+                        result=SuspendResult(s.request, "resume", Result.REFUSED, f"{s.error}; the engine is still suspended", now))  # fmt: skip
+        s = _to(s, Stage.SUSPENDED, now, since=now, since_wall=snap.wall, op_sent_at=None)
+        return Move(s, Phase.SUSPENDED, (SaveSuspension(s.record(snap.child.pid)),), result=_result(s, Result.SUSPENDED, _freed(s), now))
+    said = f"the driver reports {state.name}" if state is not None else f"its state cannot be read ({done.error or done.outcome})"
+    return _fail(s, f"{s.error}; {said}", now)
+
+
+def _suspended(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
+    if _lost(s, snap):
+        return _gone_cold(s, snap, now)
+    child = snap.child
+    actions: tuple[Action, ...] = ()
+    if s.cold and (child.alive or child.tree_pids) and not child.stopping:
+        actions = (StopEngine(drain=False, reason="suspended engine lost"),)  # what is left of it only holds memory
+    if snap.resume_requested is None:
+        return _stay(s, actions)
+    s = _to(s, Stage.CHECKING, now, request=snap.resume_requested, resuming=True, error="")
+    return _stay(s, (*actions, RequestGpuSample()))
+
+
+def _checking(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
+    if _lost(s, snap):
+        s = replace(s, cold=True)
+    g = snap.gpu
+    fresh = g.usable and g.taken_at is not None and g.taken_at >= s.stage_since
+    if not fresh:
+        if now - s.stage_since <= cfg.watchdog.nvml_hung_after:
+            return _stay(s)
+        why = f"NVML gave no fresh reading within {cfg.watchdog.nvml_hung_after:.0f} s ({g.status.value}{': ' + g.detail if g.detail else ''})"
+        return _refuse_resume(s, snap, now, why)
+    ok, text = resume_room(s, snap, cfg)
+    if not ok:
+        return _refuse_resume(s, snap, now, text)
+    if s.cold:
+        if not snap.child.tree_gone:
+            return _stay(s)  # the old engine's leftovers are still being stopped
+        return Move(None, Phase.STARTING, (SaveSuspension(None),), result=_result(s, Result.STARTED_COLD, f"no engine was left: starting one ({text})", now),
+                    start_cold=True)  # fmt: skip
+    s = _to(s, Stage.RESTORING, now, op_sent_at=now)
+    return _stay(s, (ResumeEngine(s.target),)) if s.target is not None else _fail(s, "no process on record to restore", now)
+
+
+def _refuse_resume(s: Suspension, snap: Snapshot, now: float, why: str) -> Move:
+    s = _to(s, Stage.SUSPENDED, now, resuming=False, error=f"resume refused: {why}")
+    return Move(s, Phase.SUSPENDED, result=SuspendResult(s.request, "resume", Result.REFUSED, why, now))
+
+
+def _restoring(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
+    done = _finished(snap.suspender, s.op_sent_at)
+    if done is None:
+        return _stay(s)
+    if done.outcome is Outcome.RESUMED:
+        return Move(_to(s, Stage.VERIFYING, now, error=""), Phase.RESUMING, (ResetProbes(),))
+    return _after_error(s, done, snap, now, done.outcome, done.error or f"the worker reported {done.outcome}")
+
+
+def _verifying(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
+    """One /health 200, then one inference probe that passes: then READY (and /healthz 200)."""
+    what = "resume" if s.resuming else "the failed suspend"
+    if not snap.child.alive:
+        return _fail(s, f"the engine exited after {what}", now)
+    if now - s.stage_since > cfg.suspend.verify_timeout:
+        return _fail(s, f"no /health 200 and passing inference probe within {cfg.suspend.verify_timeout:.0f} s after {what}", now)
+    if snap.health.status is not HealthStatus.OK:
+        return _stay(s)
+    inf = snap.inference
+    sent = inf.sent_at is not None and inf.sent_at >= s.stage_since
+    done = sent and inf.finished_at is not None and inf.finished_at >= inf.sent_at
+    if not sent:
+        return _stay(s, (SendInferenceProbe(),))
+    if not done:
+        return _stay(s)
+    if inf.ok:
+        result = _result(s, Result.RESUMED, f"pid {s.target} resumed, {_gib(s.bytes)} back on the GPU", now) if s.resuming else None
+        return Move(None, Phase.READY, (SaveSuspension(None),), result=result)
+    if inf.consecutive_failures >= cfg.watchdog.probe_failures:
+        return _fail(s, f"{inf.consecutive_failures} inference probes failed after {what} ({inf.detail})", now)
+    return _stay(s, (SendInferenceProbe(),))
+
+
+# ------------------------------------------------------------------ alerts
+
+
+def conditions(s: Suspension | None, phase: Phase, snap: Snapshot, cfg: Config, now: float) -> list[Condition]:
+    """suspended_long: a reminder after suspend.remind_after; suspend_stuck: a driver call past its deadline."""
+    # Standing while suspended and while a resume checks for room (a refused one changes nothing);
+    # kept through a daemon shutdown, which does not end the suspension either.
+    since = s.since if s is not None and s.stage in (Stage.SUSPENDED, Stage.CHECKING) else None
+    long = since is not None and now - since >= cfg.suspend.remind_after
+    held = "no engine process (it starts cold)" if s is not None and s.cold else f"the engine holds {_gib(s.bytes if s else 0)} of host memory"
+    out = [Condition(
+        "suspended_long",
+        long,
+        "warning",
+        f"the engine has been suspended for {(now - (since or now)) / 3600:.1f} h, {held}; {HOW_TO_RESUME} brings it back" if long
+        else "the engine is no longer suspended, or not for long",
+        immediate=True,
+    )]  # fmt: skip
+    w = snap.suspender
+    stuck = w is not None and w.in_flight and w.overdue
+    took = now - w.started_at if stuck and w.started_at is not None else 0.0
+    out.append(Condition(
+        "suspend_stuck",
+        stuck,
+        "critical",
+        f"the GPU driver's {w.op} of pid {w.pid} has not returned for {took:.0f} s (step {w.step}): a driver call may be stuck" if stuck
+        else "no suspend or resume is stuck in the GPU driver",
+        immediate=True,
+    ))  # fmt: skip
+    return out

@@ -1,0 +1,257 @@
+"""The state document read back: parse() takes what the daemon, preflight or an older daemon wrote.
+
+Every reader (the exporter, /healthz, /livez, `r3090ctl status`) goes through
+it, so a damaged or unexpected document costs defaults, never a traceback; only
+a format this r3090d cannot read is refused, with one line saying what to do.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from r3090d import config, exitcodes
+from r3090d.core.alerting import AlertBook, AlertEntry
+from r3090d.core.policy import PolicyState
+from r3090d.core.snapshot import (
+    ChildSample,
+    EngineSample,
+    GpuProcess,
+    GpuSample,
+    GpuStatus,
+    HealthSample,
+    HealthStatus,
+    InferenceProbeSample,
+    Snapshot,
+)
+from r3090d.core.vocabulary import Phase
+from r3090d.service import exporter, statusview
+from r3090d.service.report import (
+    FORMAT_VERSION,
+    DaemonIdentity,
+    StateDocument,
+    UnreadableFormat,
+    parse,
+    report,
+)
+
+NOW = 1_800_000_000.0
+OFFSET = NOW - 1000.0  # monotonic 1000 is NOW on the wall clock
+
+
+def full_report(**policy) -> StateDocument:
+    """What a daemon with a ready engine, a firing alert, a silence and a preflight summary publishes."""
+    cfg = config.from_dict({"engine": {"python": "/usr/bin/python3", "model": "/srv/model", "served_model_name": "m"}}, check_files=False)
+    st_ = PolicyState(
+        phase=Phase.READY, phase_since=900.0, generation=3, ready_since=950.0, start_failures=1, last_root_cause="CUDA out of memory",
+        backoff_level=2, restart_times=(800.0,), restarts_total=2, restarts_by_reason=(("kv", 1), ("requested", 1)),
+        last_restart_reason="kv", last_restart_at=940.0, xid_seen=(79,),
+        alerts=AlertBook(
+            entries=(("gpu_memory", AlertEntry(firing=True, severity="critical", summary="GPU memory 23.9 GiB", since=990.0, last_sent_at=991.0)),
+                     ("kv_pressure", AlertEntry(clear_since=995.0))),
+            silenced=(("kv_pressure", 1600.0),),
+        ),
+        **policy,
+    )  # fmt: skip
+    gpu = GpuSample(
+        GpuStatus.OK, index=0, taken_at=999.0, name="RTX 3090", memory_total=24 << 30, memory_used=20 << 30, utilization_gpu=80,
+        temperature_c=70, power_w=300.5, power_limit_w=350.0, compute_capability=(8, 6), clock_event_reasons=("gpu_idle",),
+        processes=(GpuProcess(5, 1 << 30),), pcie_width=16, pcie_gen=4,
+    )  # fmt: skip
+    snap = Snapshot(
+        now=1000.0, wall=NOW, child=ChildSample(pid=5, alive=True, tree_pids=(5, 6), generation=3),
+        health=HealthSample(HealthStatus.OK, 200, 0.01),
+        engine=EngineSample(kv_usage=0.5, num_gpu_blocks=100, free_blocks=49.5, running=2.0, waiting=0.0, cache_config=(("block_size", "16"),)),
+        gpu=gpu, inference=InferenceProbeSample(sent_at=998.0, finished_at=998.5, ok=True),
+    )  # fmt: skip
+    stats = exporter.TickStats()
+    stats.observe(0.02)
+    stats.observe(0.3, (79,))
+    summary = {"exit_code": 1, "checks": [{"name": "swap", "status": "warn", "measured": "on", "expected": "off", "hint": "swapoff -a", "permanent": True}], "at": NOW - 900}
+    return report(st_, snap, cfg, identity=DaemonIdentity(1, NOW - 2000, "0.1.0", "gpu1"), offset=OFFSET, written_at=NOW - 1,
+                  tick_s=0.0123, preflight=summary, telemetry=stats.to_json())  # fmt: skip
+
+
+FULL = json.loads(json.dumps(full_report().to_json()))  # as a reader gets it: through JSON
+
+
+# ------------------------------------------------------------------ what the daemon and preflight write
+
+
+def test_a_document_reads_back_as_it_was_written():
+    written = full_report()
+    read = parse(FULL)
+    assert read.engine.phase is Phase.READY and read.engine.phase_text == "ready"
+    assert read == dataclasses.replace(written, engine=dataclasses.replace(written.engine, phase_text="ready"))
+    assert json.loads(json.dumps(read.to_json())) == FULL  # nothing parse() keeps for itself is written
+
+
+def test_the_document_keeps_its_shape():
+    assert set(FULL) == {
+        "written_at", "daemon", "engine", "restarts", "next_action", "watch", "give_up_reason", "xid_seen", "health", "inference",
+        "thresholds", "metrics", "gpu", "alerts", "alert_book", "preflight", "telemetry", "format", "waiting",
+    }  # fmt: skip
+    assert FULL["format"] == FORMAT_VERSION and FULL["engine"]["phase"] == "ready" and "phase_text" not in FULL["engine"]
+    assert FULL["alerts"]["firing"]["gpu_memory"] == {"severity": "critical", "summary": "GPU memory 23.9 GiB", "since": NOW - 10}
+    assert FULL["alert_book"]["entries"]["kv_pressure"]["clear_since"] == NOW - 5  # wall clock: a restarted daemon rebuilds its book
+    assert FULL["alert_book"]["silenced"] == FULL["alerts"]["silenced"] == {"kv_pressure": NOW + 600}
+    assert FULL["telemetry"]["poll_duration_seconds"]["buckets"][2] == [0.025, 1]
+    assert FULL["preflight"]["checks"][0] == {"name": "swap", "status": "warn", "measured": "on", "expected": "off", "hint": "swapoff -a", "permanent": True}
+    assert FULL["gpu"]["processes"] == [{"pid": 5, "used_bytes": 1 << 30}] and FULL["gpu"]["compute_capability"] == [8, 6]
+    assert FULL["waiting"] is None and set(FULL["watch"]) == {"gpu_signal_off"}
+
+
+def preflight_document(waiting: str | None) -> dict:
+    """What PreflightRunner writes before the loop has run (on a host with no earlier state file)."""
+    return {
+        "written_at": NOW - 1,
+        "preflight": {"exit_code": 1, "checks": [{"name": "port", "status": "fail", "measured": "8000 busy", "expected": "free", "hint": "", "permanent": False}], "at": NOW - 1},
+        "engine": {"phase": "stopped", "state": "stopped"},
+        "daemon": {"pid": 7, "started_at": NOW - 30, "version": "0.1.0", "instance": None, "config": "/etc/r3090d.toml", "poll_interval": 10.0},
+        "waiting": {"for": waiting, "since": NOW - 20} if waiting else None,
+        "give_up_reason": None if waiting else "preflight failed: port",
+    }
+
+
+def test_preflights_partial_document_is_read_and_judged():
+    d = parse(preflight_document("port: 8000 busy"))
+    assert d.engine.phase is Phase.STOPPED and d.waiting is not None and d.waiting.what == "port: 8000 busy"
+    assert d.preflight is not None and d.preflight.checks[0].name == "port" and d.gpu is None and d.health is None
+    verdict = statusview.evaluate(d, running=True, now=NOW)
+    assert verdict.code == exitcodes.WARNING and "waiting for preflight before starting the engine: port: 8000 busy" in verdict.line()
+    assert "GPU        -" in statusview.panel(d, verdict, NOW)
+    assert exporter.healthz(d, NOW) == (503, "engine stopped")
+    assert exporter.livez(d, NOW) == (200, "alive")
+    names = {fam.name for fam in exporter.families(d, NOW)}
+    assert "r3090d_engine_state" in names and "r3090d_poll_duration_seconds" not in names
+    failed = parse(preflight_document(None))
+    assert statusview.evaluate(failed, running=True, now=NOW).line() == "CRITICAL: engine stopped"
+
+
+def test_an_older_daemons_document_is_read_with_defaults():
+    old = copy.deepcopy(FULL)
+    del old["format"], old["thresholds"], old["inference"], old["watch"]
+    for key in ("start_failures", "recent", "last_root_cause"):
+        del old["restarts"][key]
+    d = parse(old)
+    assert d.format == 1 and d.restarts.start_failures == 0 and d.restarts.last_root_cause is None
+    assert d.thresholds.gpu_memory_alert_bytes is None and d.inference.latency_s is None and d.watch.gpu_signal_off is None
+    names = {s.name for fam in exporter.families(d, NOW) for s in fam.samples}
+    assert "r3090d_gpu_memory_alert_threshold_bytes" not in names and "r3090d_inference_probe_latency_seconds" not in names
+    assert statusview.evaluate(d, running=True, now=NOW).line() == "CRITICAL: gpu_memory firing"
+
+
+@pytest.mark.parametrize("version", [FORMAT_VERSION + 1, 99, "3", True, None])
+def test_a_newer_format_is_refused_with_one_line_saying_what_to_do(version):
+    with pytest.raises(UnreadableFormat) as caught:
+        parse({**FULL, "format": version})
+    text = str(caught.value)
+    assert "\n" not in text and "written in format" in text and ": restart the daemon" in text
+    if isinstance(version, int) and not isinstance(version, bool):
+        assert f"written in format {version}," in text
+
+
+@pytest.mark.parametrize("doc", [[], "state", 3, None])
+def test_what_is_no_json_object_is_refused_too(doc):
+    with pytest.raises(UnreadableFormat, match="not an object"):
+        parse(doc)
+
+
+def test_an_unknown_phase_is_named_not_crashed_on():
+    doc = copy.deepcopy(FULL)
+    doc["engine"]["phase"] = "hibernating"
+    d = parse(doc)
+    assert d.engine.phase is None and d.engine.phase_text == "hibernating" and d.engine.phase_name == "hibernating"
+    assert statusview.evaluate(d, running=True, now=NOW).code == exitcodes.CRITICAL
+    assert "engine in an unknown phase 'hibernating'" in statusview.evaluate(d, running=True, now=NOW).reasons
+    assert exporter.healthz(d, NOW) == (503, "engine hibernating")
+    one_hot = [s.value for fam in exporter.families(d, NOW) if fam.name == "r3090d_engine_state" for s in fam.samples]
+    assert one_hot == [0.0] * len(Phase)
+    assert "Engine     hibernating for" in "\n".join(statusview.panel(d, statusview.evaluate(d, running=True, now=NOW), NOW))
+
+
+def test_malformed_fields_take_their_defaults_and_unknown_keys_are_ignored():
+    doc = copy.deepcopy(FULL)
+    doc["engine"].update(pid="42", maintenance="yes", tree_pids=[5, "6", None, 7.0], since=float("inf"))
+    doc["restarts"]["by_reason"] = {"kv": 1, "hung": "two", "dead": True}
+    doc["gpu"]["status"] = "melted"  # a status this version does not know: no reading
+    doc["metrics"] = ["not", "an", "object"]
+    doc["alerts"]["silenced"] = {"kv_pressure": "tomorrow", "gpu_memory": NOW + 60}
+    doc["sections_of_the_future"] = {"anything": 1}
+    d = parse(doc)
+    assert (d.engine.pid, d.engine.maintenance, d.engine.tree_pids, d.engine.since) == (None, False, [5, 7], None)
+    assert d.restarts.by_reason == {"kv": 1}
+    assert d.gpu is None and d.metrics == EngineSample()
+    assert d.alerts.silenced == {"gpu_memory": NOW + 60}
+
+
+def test_gpu_line_reads_a_restart_records_dict_too():
+    assert statusview.gpu_line(FULL["gpu"]) == statusview.gpu_line(parse(FULL).gpu)
+    assert statusview.gpu_line({}) == "-" and statusview.gpu_line({"status": "disabled"}).startswith("not monitored")
+    assert statusview.gpu_line({"status": "no_driver", "detail": "NVML: driver not loaded"}) == "no_driver: NVML: driver not loaded"
+
+
+# ------------------------------------------------------------------ anything in place of a section
+
+JSON_LEAVES = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6)
+VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6) | st.integers(), inner, max_size=4),
+    max_leaves=10,
+)
+SECTIONS = sorted(FULL)
+
+
+@st.composite
+def damaged_documents(draw) -> dict:
+    doc = copy.deepcopy(FULL)
+    if draw(st.booleans()):
+        doc.pop("format")  # mostly a readable format, so the sections themselves are read
+    for key in draw(st.lists(st.sampled_from([*SECTIONS, "new_section"]), max_size=4)):
+        if key != "format" or draw(st.integers(0, 9)) == 0:
+            doc[key] = draw(VALUES)
+    for key in draw(st.lists(st.sampled_from(SECTIONS), max_size=6)):
+        section = doc.get(key)
+        if isinstance(section, dict):
+            inner = draw(st.sampled_from([*sorted(map(str, section)), "new_field"]))
+            section[inner] = draw(VALUES)
+    return doc
+
+
+def readers(doc: dict) -> None:
+    """Every reader of the document, as the exporter and `r3090ctl status` call them."""
+    for running in (True, False):
+        verdict = statusview.evaluate(doc, running=running, now=NOW)
+        statusview.panel(doc, verdict, NOW, note="n")
+    statusview.not_running_lines(doc, "pid 1 is gone", "/var/lib/r3090d/state.json", "systemctl start r3090d", NOW)
+    statusview.gpu_line(doc.get("gpu") if isinstance(doc.get("gpu"), dict) else None)
+    exporter.healthz(doc, NOW)
+    exporter.livez(doc, NOW)
+    exporter.stale_after(doc)
+    exporter.families(doc, NOW)
+
+
+@settings(deadline=None, derandomize=True, max_examples=150)
+@given(damaged_documents())
+def test_parse_gives_a_document_or_unreadable_format_and_nothing_else(doc):
+    try:
+        d = parse(doc)
+    except UnreadableFormat as exc:
+        assert "\n" not in str(exc)
+        return
+    assert isinstance(d, StateDocument)
+    json.dumps(d.to_json())  # and it can be written again
+
+
+@settings(deadline=None, derandomize=True, max_examples=150)
+@given(damaged_documents())
+def test_every_reader_survives_a_damaged_document(doc):
+    try:
+        readers(doc)
+    except UnreadableFormat:
+        pass
