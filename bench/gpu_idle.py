@@ -622,6 +622,25 @@ def diagnose(run: DaemonRun, poller: NvmlPoller) -> str:
 # ------------------------------------------------------------------ main
 
 
+def sweep(base: Path) -> None:
+    """SIGKILL whatever this run started and is still there: the daemons and engines (their command
+    lines name `base`: the config, the model directory) by process group, and the workers."""
+    mine = os.getpgid(0)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and str(base) in cmdline(int(entry.name)):
+            st = proc_stat(int(entry.name))
+            if st is not None and st[1] != mine:
+                say(f"cleanup: process group {st[1]} ({cmdline(int(entry.name))[:80]}) is still there: SIGKILL")
+                try:
+                    os.killpg(st[1], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    if (base / "workers").exists():
+        for w in workers(base / "workers"):
+            if ours(w.pid):
+                os.kill(w.pid, signal.SIGKILL)
+
+
 def write_engine_python(base: Path, args) -> Path:
     status_dir = base / "workers"
     status_dir.mkdir()
@@ -755,7 +774,8 @@ def main() -> int:
     if args.rounds < 1 or args.streams < 1 or args.weight_gib <= 0 or not args.polls:
         parser.error("--rounds, --streams, --weight-gib and --polls must be positive")
 
-    # Ctrl-C, SIGTERM and SIGHUP (even where SIGINT came in ignored) end the run through the finally below, which kills what was started.
+    # Ctrl-C, SIGTERM and SIGHUP (SIGINT even where it came in ignored) end the run
+    # through the finally below, which kills everything the run started.
     def interrupted(signum, frame):
         raise KeyboardInterrupt
 
@@ -772,15 +792,14 @@ def main() -> int:
         say("interrupted: stopping everything this run started")
         return 130
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         for step in reversed(cleanup):
             try:
                 step()
             except Exception as exc:  # one failed step must not leave the others undone
                 say(f"cleanup: {exc}")
-        for w in workers(base / "workers") if (base / "workers").exists() else []:
-            if ours(w.pid):
-                os.kill(w.pid, signal.SIGKILL)
+        sweep(base)
         if args.keep:
             say(f"kept {base}")
         else:

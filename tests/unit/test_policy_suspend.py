@@ -251,10 +251,9 @@ def test_suspended_long_reminds_after_remind_after_and_resolves_on_resume():
     assert "r3090ctl resume brings it back" in firing.summary and "15.0 GiB of host memory" in firing.summary
     r.resume(room=False, foreign=((4242, 20 * GIB),))  # a refused resume ends nothing
     assert r.st.alerts.get("suspended_long").firing
-    r.tick(resume_requested=3)
+    r.tick(resume_requested=3, gpu=card(r.now, procs=()))
     assert r.alerts("suspended_long") == []
-    r.tick()
-    r.tick(gpu=card(r.now))
+    r.tick(gpu=card(r.now, procs=()))
     assert r.of(ResumeEngine) and r.alerts("suspended_long") == ["resolved"]
 
 
@@ -279,9 +278,11 @@ def test_resume_checks_a_fresh_reading_restores_then_needs_health_and_a_probe():
     assert r.st.watch == rules.WatchState(ready_at=r.now) and r.st.ready_since == r.now
     stalled = dataclasses.replace(IDLE, running=1)
     ready_at = r.now
-    while r.now < ready_at + 9.5:
+    while r.st.phase is Phase.READY:
         r.tick(engine=stalled)
-        assert r.st.phase is Phase.READY
+    # A stall counted from before the suspension would restart at once; this one waits its full time.
+    assert r.now - ready_at >= r.c.watchdog.gpu_idle_stall_seconds
+    assert [a.reason for a in r.of(RecordRestart)] == ["gpu_idle"]
 
 
 def test_resume_is_refused_while_another_process_holds_the_memory():
