@@ -47,6 +47,16 @@ ENGINE_VENV_PYTHON = "/opt/r3090d-engine/bin/python"
 MIB = 2**20
 GIB = 2**30
 CHUNK = 64 * MIB  # ballast row: the unit of its checksum
+
+
+def row_sums(ballast):
+    """Each row's sum, one row at a time: summing the whole ballast at once into int64
+    would take 8x its size in temporaries, and the caching allocator would keep them."""
+    import torch
+
+    sums = torch.stack([row.sum(dtype=torch.int64) for row in ballast])
+    torch.cuda.empty_cache()
+    return sums
 GEMV_N = 4096
 GEMV_CHAIN = 8
 
@@ -85,7 +95,7 @@ def core_main(args) -> int:
     for k in range(rows):
         torch.add(base, k % 256, out=ballast[k])
     del base
-    ref_sums = ballast.sum(dim=1, dtype=torch.int64)
+    ref_sums = row_sums(ballast)
 
     gen = torch.Generator(device=dev).manual_seed(1234)
     weight = torch.randn(GEMV_N, GEMV_N, device=dev, generator=gen)
@@ -133,7 +143,7 @@ def core_main(args) -> int:
                     torch.cuda._sleep(int(cmd["ms"] * cycles_per_ms))
                 emit(long_launched=cmd["ms"])
             elif cmd["cmd"] == "verify":
-                ok = bool(torch.equal(ballast.sum(dim=1, dtype=torch.int64), ref_sums))
+                ok = bool(torch.equal(row_sums(ballast), ref_sums))
                 emit(verify=ok)
         os._exit(0)  # the server closed our stdin: it is gone
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 
-import sdnotify
-
 # Each EXTEND_TIMEOUT_USEC grants this much from the moment it is sent; the loop
 # re-sends it every tick, so it only has to outlast a couple of ticks.
 EXTEND_BY_S = 30.0
@@ -19,7 +17,7 @@ EXTEND_BY_S = 30.0
 class Notifier:
     def __init__(self) -> None:
         self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
-        self._sd = sdnotify.SystemdNotifier() if self.enabled else None
+        self._sd = _notifier() if self.enabled else None
         usec = os.environ.get("WATCHDOG_USEC", "")
         pid = os.environ.get("WATCHDOG_PID", "")
         applies = not pid or pid == str(os.getpid())
@@ -68,3 +66,10 @@ def watchdog_warning(limit_s: float | None, worst_tick_s: float) -> str | None:
         return (f"WatchdogSec={limit_s:.0f} is short for this config: a tick can take {worst_tick_s:.1f} s (poll + health and "
                 "metrics timeouts); raise WatchdogSec or lower watchdog.health_timeout/metrics_timeout")  # fmt: skip
     return None
+
+
+def _notifier():
+    # Imported only under a service manager: a container or a terminal needs no sd_notify.
+    import sdnotify
+
+    return sdnotify.SystemdNotifier()
