@@ -242,7 +242,7 @@ def _ensure_users(request) -> None:
 
 
 CLIENT = (
-    "import json, sys; sys.path.insert(0, sys.argv[1]); from r3090d import control\n"
+    "import json, sys; sys.path.insert(0, sys.argv[1]); from r3090d.service import control\n"
     "try:\n"
     "    print(json.dumps(control.request(sys.argv[2], {'cmd': 'status'}, 10)))\n"
     "except control.ClientError as exc:\n"

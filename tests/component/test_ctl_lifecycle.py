@@ -243,7 +243,7 @@ def test_status_follows_start_kv_restart_backoff_maintenance_reload_and_give_up(
     wait_until(lambda: "gave_up" in d.state()["alerts"]["firing"], 5, what="gave_up firing")
     # A reload alone never starts a given-up engine.
     out = ctl(d.config, "reload")
-    assert out.returncode == 0 and "stays stopped" in out.stdout, out
+    assert out.returncode == 0 and "applied" in out.stdout, out
     assert _phase(d) == "given-up"
 
     # ---- restart after the give-up: from zero failures; --wait is not fooled by the given-up it starts from
@@ -329,7 +329,7 @@ def test_restart_wait_shows_progress_and_silence_is_applied(make_daemon):
     assert out.returncode == 0 and "gpu_temperature silenced until" in out.stdout
     rc, st = ctl_json(d.config, "status")
     until = st["state"]["alerts"]["silenced"]["gpu_temperature"]
-    assert 7200 - 5 < until - time.time() <= 7200
+    assert 7200 - 30 < until - time.time() <= 7200  # applied by the next tick, on the policy's clock
     out = ctl(d.config, "silence", "gpu_temperature", "2 fortnights")
     assert out.returncode == 64 and "not a duration" in out.stderr
 

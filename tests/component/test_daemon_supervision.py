@@ -103,7 +103,7 @@ def test_start_failures_back_off_doubling_capped_then_give_up_and_the_daemon_sta
     # up to a second or so on a loaded machine. That overhead cancels out in the differences.
     for got, want in zip(gaps, expected, strict=True):
         assert want - 0.05 <= got <= want + 1.5, (gaps, expected)
-    assert gaps[1] - gaps[0] > 0.5 and gaps[2] - gaps[1] > 0.5 and abs(gaps[3] - gaps[2]) < 0.5, gaps
+    assert gaps[1] - gaps[0] > 0.5 and gaps[2] - gaps[1] > 0.5 and abs(gaps[3] - gaps[2]) < 0.9, gaps  # capped: 2 s, then 2 s again
     assert "5 start failures in a row" in st["give_up_reason"]
     assert "exited with code 0" in st["give_up_reason"]
     # Giving up stops the engine, not the supervisor.
