@@ -5,7 +5,8 @@ R3090D_BENCH_MINUTES=N (or --minutes N) shortens each run; --scenario NAME runs 
 
 Each run starts a fresh daemon on the engine-bound tiny model (tests/e2e/real_vllm.py,
 ENGINE_BOUND_ARGS: decodes about 55 tokens/s on 2 cores, so requests stay in the
-engine as on a busy GPU) with nothing in [watchdog] overridden, then:
+engine as on a busy GPU; steps capped at STEP_TOKENS tokens, see there) with nothing
+in [watchdog] overridden, then:
   long prompts  4 closed-loop clients, each prompt max_model_len - 200 tokens long;
   max_num_seqs  the profile's max_num_seqs streams at once (ignore_eos), closed loop;
   kv sawtooth   a KV cache cut to KV_BLOCKS blocks (--num-gpu-blocks-override); clients
@@ -46,6 +47,13 @@ KV_BLOCKS = 160  # 160 x 128 tokens: about ten requests of SAWTOOTH_PROMPT + SAW
 SAWTOOTH_PEAK = 14
 SAWTOOTH_PROMPT, SAWTOOTH_OUTPUT = 1500, 500
 LONG_PROMPT_MARGIN = 200  # prompt = max_model_len - this; max_tokens = this - 50
+# vLLM's token budget per engine step. This CPU engine computes about 50 tokens/s,
+# prefill or decode alike, and vLLM publishes its metrics once per step: with its
+# own budget a near-max prompt is one step of over a minute, flat metrics all the
+# while, which no frozen-engine threshold meant for a GPU survives (a 3090 takes
+# about 2 s for a 2048-token chunk of a 7B model). 128 tokens make a step about
+# 2.5 s here, GPU-like; --step-tokens 0 keeps vLLM's default.
+STEP_TOKENS = 128
 
 
 class Load:
@@ -93,6 +101,8 @@ class Load:
                                 outcome = "finished"
                 except httpx.HTTPError as exc:
                     self.last_error = f"{type(exc).__name__}: {exc}"
+                if outcome == "failed" and self._stop.is_set():
+                    outcome = "cancelled"  # cut off at the end of the run
                 self._count(outcome)
                 if outcome == "failed":
                     self._stop.wait(1.0)
@@ -205,8 +215,9 @@ class Result:
     ready_s: float
 
 
-def run(sc: Scenario, minutes: float, tmp: Path) -> Result:
-    config = benchlib.real_config(tmp, extra_args=sc.extra_args)
+def run(sc: Scenario, minutes: float, step_tokens: int, tmp: Path) -> Result:
+    step = ["--max-num-batched-tokens", str(step_tokens)] if step_tokens else []
+    config = benchlib.real_config(tmp, extra_args=[*step, *sc.extra_args])
     from r3090d import config as configmod
 
     cfg = configmod.load(config, check_files=False)
@@ -262,6 +273,7 @@ def run(sc: Scenario, minutes: float, tmp: Path) -> Result:
 def main(argv: list[str] | None = None) -> int:
     cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cli.add_argument("--minutes", type=float, default=float(os.environ.get(MINUTES_ENV) or 10), help=f"per run (default ${MINUTES_ENV} or 10)")
+    cli.add_argument("--step-tokens", type=int, default=STEP_TOKENS, help=f"vLLM's --max-num-batched-tokens (default {STEP_TOKENS}; 0: vLLM's own)")
     cli.add_argument("--scenario", choices=[s.name for s in SCENARIOS], action="append", help="run only this one (repeatable)")
     args = cli.parse_args(argv)
     if not benchlib.long_enabled():
@@ -278,9 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         for k, sc in enumerate(chosen):
             where = tmp / f"run{k}"
             where.mkdir()
-            results.append(run(sc, args.minutes, where))
+            results.append(run(sc, args.minutes, args.step_tokens, where))
         wd = benchlib.watchdog_of(benchlib.real_config(tmp))
-    print(f"false restarts on the engine-bound CPU vLLM, shipped watchdog settings ({benchlib.describe_watchdog(wd)}):")
+    step = f"--max-num-batched-tokens {args.step_tokens}" if args.step_tokens else "vLLM's own step budget"
+    print(f"false restarts on the engine-bound CPU vLLM ({step}), shipped watchdog settings ({benchlib.describe_watchdog(wd)}):")
     rows = []
     for r in results:
         w = r.watch

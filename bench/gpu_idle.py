@@ -12,8 +12,9 @@ for HTTP, plus a torch worker in the same process group running a decode-like
 loop on the GPU: 28 bf16 GEMVs over --weight-gib GiB per step, one synchronize
 per step. The daemon (`python3 -m r3090d --skip-preflight`) runs it with
 gpu.required = true, gpu.card = "any", the shipped watchdog settings except
-poll_interval (one daemon per --polls value), exporter and syslog off, in a
-temporary directory.
+poll_interval, exporter and syslog off, in a temporary directory. A fresh
+daemon per --polls value, and again after start_failures - 1 rounds: each
+round's restart comes within min_uptime of ready, a start failure to it.
 
 Each round: wait for the engine ready, its worker computing, --streams long
 streaming completions running (`vllm:num_requests_running` > 0) and the daemon
@@ -64,6 +65,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # r3090d from this checkout, installed or not
 STANDIN = ROOT / "bench" / "gpu_engine_standin.py"
 FAKE_NVML_DIR = ROOT / "tests" / "fakenvml"
 EX_UNAVAILABLE = 69
@@ -71,6 +74,7 @@ NVML_POLL_S = 0.05
 MODEL_NAME = "gpu-idle"
 TOKEN_DELAY_S = 0.05  # the double's step: slow enough that 3 streams neither load the CPU nor fill the KV cache
 STREAM_TOKENS = 30000  # under the double's max_model_len: a stream outlives any round
+POLL_ACCESS = re.compile(r'"GET /(health|metrics) HTTP')
 DAEMON_DEPS = ("click", "psutil", "requests", "prometheus_client")
 SDNOTIFY_STUB = '''"""No-op stand-in for sdnotify, written by bench/gpu_idle.py: NOTIFY_SOCKET is unset, so r3090d never calls it."""
 
@@ -306,9 +310,9 @@ def check_host(args, nvml) -> str:
     env = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(args.gpu)}
     code = "import torch; print(torch.__version__, torch.cuda.is_available())"
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     except subprocess.TimeoutExpired:
-        raise Unavailable("`import torch` did not finish within 180 s") from None
+        raise Unavailable("`import torch` did not finish within 120 s") from None
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["?"])[-1]
         raise Unavailable(f"torch is not usable for {sys.executable}: {last}")
@@ -380,8 +384,8 @@ def toml_value(v) -> str:
 class DaemonRun:
     """One `python3 -m r3090d` with its config, state file and log, in a directory of its own."""
 
-    def __init__(self, base: Path, poll: float, args, env: dict[str, str]):
-        self.dir = base / f"poll-{poll:g}"
+    def __init__(self, base: Path, poll: float, serial: int, args, env: dict[str, str]):
+        self.dir = base / f"poll-{poll:g}-{serial}"
         self.dir.mkdir(mode=0o700)
         self.poll = poll
         self.status_dir = base / "workers"
@@ -426,10 +430,12 @@ class DaemonRun:
         return self
 
     def log_tail(self, n: int = 40) -> str:
+        """The daemon's last lines, without the engine's access lines for the daemon's own polls."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
+        return "\n".join([line for line in lines if not POLL_ACCESS.search(line)][-n:])
 
     def state(self) -> dict | None:
         try:
@@ -509,9 +515,13 @@ class SignalOff(Exception):
 
 def wait_worker(run: DaemonRun, pgid: int, budget: Budget, timeout: float = 150.0) -> Worker:
     """The engine's worker, once it has reported two advancing step counts."""
-    deadline = time.monotonic() + budget.cap(timeout)
+    start = time.monotonic()
+    deadline = start + budget.cap(timeout)
     seen: dict[int, int] = {}
     while time.monotonic() < deadline:
+        # The stand-in starts the worker before it execs the double, so by ready it exists.
+        if time.monotonic() - start > 5 and not any("--worker" in cmdline(p) for p in group_members(pgid)):
+            raise RuntimeError(f"the engine's worker (group {pgid}) has exited; the daemon's log (with the engine's output) ends:\n{run.log_tail()}")
         for w in workers(run.status_dir):
             st = proc_stat(w.pid)
             if st is None or st[1] != pgid:
@@ -573,7 +583,10 @@ def one_round(run: DaemonRun, rnd: int, prev_pid: int | None, poller: NvmlPoller
         try:
             st = run.wait(lambda s: s if s["restarts"]["total"] > before else None, timeout, "restart", budget)
         except RuntimeError as exc:
-            os.kill(worker.pid, signal.SIGCONT)
+            try:
+                os.kill(worker.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
             last = run.state() or {}
             say(f"round {rnd}: {exc}\n  last state: running {last.get('metrics', {}).get('running')}, "
                 f"gpu_signal_off {last.get('watch', {}).get('gpu_signal_off')!r}, "
@@ -717,33 +730,42 @@ def bench(args, base: Path, cleanup: list[Callable[[], None]]) -> int:
     failed = False
     try:
         for poll in args.polls:
-            run = DaemonRun(base, poll, args, env)
-            cleanup.append(run.stop)
-            wd = run.watchdog()
-            stall = wd.gpu_idle_stall_seconds
-            say(f"daemon: poll_interval {wd.poll_interval:g} s, gpu_idle_stall_seconds {wd.gpu_idle_stall_seconds:g}, "
-                f"gpu_foreign_margin_mib {wd.gpu_foreign_margin_mib} (config {run.config})")  # fmt: skip
-            run.start()
-            prev = None
-            for rnd in range(1, args.rounds + 1):
-                try:
-                    row, prev = one_round(run, rnd, prev, poller, args, budget)
-                except SignalOff as exc:
-                    pgid = (run.state() or {}).get("engine", {}).get("pid")
-                    print(f"the daemon does not use the GPU signal on this host: {exc}")
-                    print(diagnose(run, poller))
-                    say("measuring the NVML side only")
-                    rows += nvml_only(run, pgid, poller, args, budget)
-                    print(report(rows, stall))
-                    print(f"gpu_idle: detection not measurable here: the daemon's watch.gpu_signal_off says {exc!s}")
-                    return EX_UNAVAILABLE
-                rows.append(row)
-                if row.reason != "gpu_idle":
-                    failed = True
-                if row.detection_s is None:
-                    break  # the engine was never restarted: its rounds cannot go on
-            run.stop()
-            cleanup.remove(run.stop)
+            first, daemons = 1, 0
+            while first <= args.rounds:
+                daemons += 1
+                run = DaemonRun(base, poll, daemons, args, env)
+                cleanup.append(run.stop)
+                wd = run.watchdog()
+                stall = wd.gpu_idle_stall_seconds
+                # Each round's restart comes within min_uptime of ready, so it is a start failure
+                # to the daemon, which gives up at start_failures in a row: a fresh daemon before that.
+                last = min(args.rounds, first + max(1, wd.start_failures - 1) - 1)
+                say(f"daemon: poll_interval {wd.poll_interval:g} s, gpu_idle_stall_seconds {wd.gpu_idle_stall_seconds:g}, "
+                    f"gpu_foreign_margin_mib {wd.gpu_foreign_margin_mib}, rounds {first}-{last} (config {run.config})")  # fmt: skip
+                run.start()
+                prev = None
+                for rnd in range(first, last + 1):
+                    try:
+                        row, prev = one_round(run, rnd, prev, poller, args, budget)
+                    except SignalOff as exc:
+                        pgid = (run.state() or {}).get("engine", {}).get("pid")
+                        print(f"the daemon does not use the GPU signal on this host: {exc}")
+                        print(diagnose(run, poller))
+                        say("measuring the NVML side only")
+                        rows += nvml_only(run, pgid, poller, args, budget)
+                        print(report(rows, stall))
+                        print(f"gpu_idle: detection not measurable here: the daemon's watch.gpu_signal_off says {exc!s}")
+                        return EX_UNAVAILABLE
+                    rows.append(row)
+                    if row.reason != "gpu_idle":
+                        failed = True
+                    if row.detection_s is None:
+                        break  # the engine was never restarted: this daemon's rounds cannot go on
+                run.stop()
+                cleanup.remove(run.stop)
+                if rows[-1].detection_s is None:
+                    break
+                first = last + 1
     except OutOfTime as exc:
         say(str(exc))
         failed = True

@@ -335,7 +335,7 @@ class SuspendConfig:
     # to reach zero; requests still running then are frozen with the engine and finish after resume.
     drain_timeout: float = opt(30.0, 0, 3600)
     lock_timeout: float = opt(10.0, 0.1, 600)  # cuCheckpointProcessLock: wait for in-flight GPU work
-    # A driver call past this is reported (alert suspend_stuck); its late result still counts.
+    # A driver call past this is reported (alert suspend_stuck); its late result still counts. Read at daemon start.
     operation_timeout: float = opt(120.0, 10, 3600)
     resume_margin_mib: int = opt(512, 0, 1 << 20)  # free GPU memory needed beyond what the engine held
     verify_timeout: float = opt(60.0, 5, 3600)  # after restore: /health and one inference probe must pass

@@ -359,7 +359,7 @@ def _apply(snap, st, cfg, now, actions, events, move: suspension.Move) -> Policy
         return replace(st, suspension=move.suspension)
     if move.phase is Phase.READY:
         # Nothing that stood still during the suspension may read as a stall: the watch starts afresh.
-        return _to(st, Phase.READY, now, suspension=None, ready_since=now)
+        return _to(st, Phase.READY, now, suspension=None, ready_since=now, watch=rules.WatchState(ready_at=now))
     return _to(st, move.phase, now, suspension=move.suspension)
 
 

@@ -184,7 +184,7 @@ def unavailable_here(cfg: Config) -> Refusal | None:
     return None
 
 
-def _unique(procs) -> list[GpuProcess]:
+def unique_processes(procs) -> list[GpuProcess]:
     """One entry per pid (NVML may list a process as both compute and graphics): the larger figure."""
     best: dict[int, GpuProcess] = {}
     for p in procs:
@@ -201,7 +201,7 @@ def target(snap: Snapshot) -> tuple[int | None, int, str]:
         return None, 0, f"NVML gives no reading ({g.status.value}{': ' + g.detail if g.detail else ''}): cannot see which process holds the GPU"
     if g.processes is None:
         return None, 0, "NVML does not list the GPU's processes: cannot see which process holds the GPU"
-    procs = _unique(g.processes + (g.graphics_processes or ()))
+    procs = unique_processes(g.processes + (g.graphics_processes or ()))
     pid, why = pick_target(procs, snap.child.tree_pids)
     if pid is None:
         return None, 0, why
@@ -242,7 +242,7 @@ def resume_room(s: Suspension, snap: Snapshot, cfg: Config) -> tuple[bool, str]:
     g = snap.gpu
     margin = cfg.suspend.resume_margin_mib * MIB
     engine = set(snap.child.tree_pids)
-    holders = [p for p in _unique((g.processes or ()) + (g.graphics_processes or ())) if p.pid not in engine]
+    holders = [p for p in unique_processes((g.processes or ()) + (g.graphics_processes or ())) if p.pid not in engine]
     ok, reason = can_resume(g.memory_free, s.bytes, margin, holders)
     if ok or g.memory_free is None:
         return ok, reason
@@ -310,13 +310,23 @@ def _gone_cold(s: Suspension, snap: Snapshot, now: float) -> Move:
     """The engine died while being suspended or while suspended: the suspension stands, without an engine."""
     child = snap.child
     code = f" with code {child.exit_code}" if child.exit_code is not None else ""
-    text = f"the suspended engine exited{code} (OOM-killed? its host memory grew by {_gib(s.bytes)}); {HOW_TO_RESUME} starts it cold"
+    if s.stage is Stage.DRAINING:
+        text = f"the engine exited{code} while draining for a suspend: the GPU is free; {HOW_TO_RESUME} starts it cold"
+    else:
+        text = f"the suspended engine exited{code} (OOM-killed? its host memory grew by {_gib(s.bytes)}); {HOW_TO_RESUME} starts it cold"
     since = s.since if s.since is not None else now
-    s = _to(s, Stage.SUSPENDED, now, cold=True, since=since, since_wall=s.since_wall if s.since_wall is not None else snap.wall, error=text)
+    # A request under way gets its answer: a suspend is done (the GPU is free), a resume is not.
+    result = None
+    if s.stage in (Stage.DRAINING, Stage.CHECKPOINTING) or (s.stage is Stage.QUERYING and not s.resuming):
+        result = SuspendResult(s.request, "suspend", Result.SUSPENDED, text, now)
+    elif s.resuming:
+        result = SuspendResult(s.request, "resume", Result.REFUSED, text, now)
+    s = _to(s, Stage.SUSPENDED, now, cold=True, since=since, since_wall=s.since_wall if s.since_wall is not None else snap.wall, error=text,
+            resuming=False, op_sent_at=None)  # fmt: skip
     actions: list[Action] = [SaveSuspension(s.record(None))]
     if (child.alive or child.tree_pids) and not child.stopping:
         actions.append(StopEngine(drain=False, reason="suspended engine lost"))
-    return Move(s, Phase.SUSPENDED, tuple(actions), event=Condition("suspended_engine_lost", True, "warning", text, event=True))
+    return Move(s, Phase.SUSPENDED, tuple(actions), result=result, event=Condition("suspended_engine_lost", True, "warning", text, event=True))
 
 
 def advance(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
@@ -478,7 +488,8 @@ def _verifying(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: fl
     if not done:
         return _stay(s)
     if inf.ok:
-        result = _result(s, Result.RESUMED, f"pid {s.target} resumed, {_gib(s.bytes)} back on the GPU", now) if s.resuming else None
+        after = f" (after: {s.error})" if s.error else ""  # a restore error the worker undid
+        result = _result(s, Result.RESUMED, f"pid {s.target} resumed, {_gib(s.bytes)} back on the GPU{after}", now) if s.resuming else None
         return Move(None, Phase.READY, (SaveSuspension(None),), result=result)
     if inf.consecutive_failures >= cfg.watchdog.probe_failures:
         return _fail(s, f"{inf.consecutive_failures} inference probes failed after {what} ({inf.detail})", now)

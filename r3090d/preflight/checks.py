@@ -23,6 +23,7 @@ from r3090d import exitcodes
 from r3090d.cards import CARDS, CardProfile
 from r3090d.config import Config
 from r3090d.core.snapshot import GpuSample, GpuStatus, HostFacts
+from r3090d.core.suspension import unavailable_here
 from r3090d.measure.plan import PlanError, estimate_weights, kv_bytes_per_token, shape_from_config
 
 MIB = 1024 * 1024
@@ -59,6 +60,9 @@ class PreflightFacts:
     engine_error: str | None = None  # why it could not be read
     own_pids: frozenset[int] = frozenset()  # the daemon's running engine tree
     pid_names: tuple[tuple[int, str], ...] = ()  # names of processes holding VRAM, where known
+    # The driver's checkpoint state of the running engine's GPU process (the suspend worker's
+    # "state" op), e.g. "pid 123: RUNNING", or "unavailable: why"; None when not asked.
+    checkpoint_state: str | None = None
 
 
 # ------------------------------------------------------------------- helpers
@@ -126,7 +130,11 @@ def failures(results: list[CheckResult], *, permanent: bool | None = None) -> li
 
 # -------------------------------------------------------------------- checks
 
-GPU_CHECKS = ("driver", "card", "pcie_width", "pcie_gen", "persistence", "vram", "model_fit")
+GPU_CHECKS = ("driver", "card", "pcie_width", "pcie_gen", "persistence", "vram", "model_fit", "suspend")
+# r3090ctl suspend: the driver's process checkpoint calls came with 570 (CUDA 12.8).
+SUSPEND_MIN_DRIVER = (570,)
+SUSPEND_MIN_CUDA = 12080
+SUSPEND_HOST_MARGIN = GIB  # host memory beyond the engine's GPU bytes, for the process to go on living
 
 
 def run_checks(facts: PreflightFacts, cfg: Config) -> list[CheckResult]:
@@ -148,6 +156,7 @@ def run_checks(facts: PreflightFacts, cfg: Config) -> list[CheckResult]:
             check_persistence(gpu, cfg),
             check_vram(gpu, cfg, facts),
             check_model_fit(gpu, facts.host, cfg),
+            check_suspend(gpu, facts, cfg),
         ]
     results += [
         check_swap(facts.host),
@@ -293,6 +302,37 @@ def check_vram(gpu: GpuSample, cfg: Config, facts: PreflightFacts) -> CheckResul
     return CheckResult("vram", Status.FAIL, measured, expected,
                        "something outside NVML's process list holds VRAM (a display server, another container); "
                        "free it or lower gpu_memory_utilization", permanent=False)  # fmt: skip
+
+
+def check_suspend(gpu: GpuSample, facts: PreflightFacts, cfg: Config) -> CheckResult:
+    """Whether `r3090ctl suspend` can work here: a note (SKIP) when it cannot, never a failure;
+    a warning when the checkpoint would fit only with swap (resume would crawl)."""
+    expected = f"driver >= {SUSPEND_MIN_DRIVER[0]}, host memory for the engine's GPU memory + {_gib(SUSPEND_HOST_MARGIN)}"
+    refusal = unavailable_here(cfg)
+    if refusal is not None:
+        return CheckResult("suspend", Status.SKIP, f"suspend unavailable: {refusal.text}", expected)
+    version = parse_version(gpu.driver_version)
+    new_enough = _version_at_least(version, SUSPEND_MIN_DRIVER) if version else (gpu.cuda_driver_version or 0) >= SUSPEND_MIN_CUDA
+    if not new_enough:
+        return CheckResult("suspend", Status.SKIP, f"suspend unavailable: driver {gpu.driver_version or '?'} ({_cuda(gpu.cuda_driver_version)}) "
+                           "predates process checkpointing", expected, f"a {SUSPEND_MIN_DRIVER[0]} or newer driver enables it")  # fmt: skip
+    if facts.checkpoint_state is not None and facts.checkpoint_state.startswith("unavailable"):
+        return CheckResult("suspend", Status.SKIP, f"suspend {facts.checkpoint_state}", expected)
+    own = [p for p in gpu.processes or () if p.pid in facts.own_pids]
+    engine = sum(p.used_bytes or 0 for p in own) if own else _gpu_memory_utilization(cfg) * (gpu.memory_total or 0)
+    asked = f"; the driver answers for {facts.checkpoint_state}" if facts.checkpoint_state else ""
+    host = facts.host
+    if host.mem_available_bytes is None:
+        return CheckResult("suspend", Status.OK, f"driver {gpu.driver_version} can checkpoint; host memory not measured{asked}", expected)
+    need = engine + SUSPEND_HOST_MARGIN
+    room = f"{_gib(host.mem_available_bytes)} of host memory available for the engine's {_gib(engine)} + {_gib(SUSPEND_HOST_MARGIN)}"
+    if host.mem_available_bytes >= need:
+        return CheckResult("suspend", Status.OK, f"driver {gpu.driver_version} can checkpoint; {room}{asked}", expected)
+    if host.mem_available_bytes + (host.swap_total_bytes or 0) >= need:
+        return CheckResult("suspend", Status.WARN, f"swap would take the checkpoint: {room}", expected,
+                           "add host memory or lower gpu_memory_utilization: a checkpoint in swap makes resume slow")  # fmt: skip
+    return CheckResult("suspend", Status.SKIP, f"suspend unavailable: only {room}", expected,
+                       "suspend needs host memory for all the engine holds on the GPU")  # fmt: skip
 
 
 def _max_model_len(cfg: Config, config_max: int | None) -> tuple[int | None, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,50 @@ import psutil
 from r3090d import argv as argvmod
 from r3090d.config import Config
 from r3090d.core.snapshot import GpuSample, GpuStatus
+from r3090d.core.suspension import unique_processes
+from r3090d.effectors.suspender import Suspender, pick_target
+from r3090d.effectors.suspender_worker import Outcome
 from r3090d.preflight.checks import CheckResult, PreflightFacts, run_checks
 from r3090d.probes import nvml as nvmlprobe
 from r3090d.probes.host import gather_host
 
 DEFAULT_NVML_TIMEOUT_S = 10.0
+CHECKPOINT_STATE_TIMEOUT_S = 15.0  # the worker loads libcuda and calls cuInit: seconds on a busy host
+
+
+def read_mem_available(root: Path | str = "/") -> int | None:
+    """/proc/meminfo MemAvailable in bytes: what a suspended engine's GPU memory must fit into."""
+    try:
+        text = (Path(root) / "proc" / "meminfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name == "MemAvailable":
+            parts = rest.split()
+            try:
+                return int(parts[0]) * 1024 if parts and parts[-1] == "kB" else None
+            except ValueError:
+                return None
+    return None
+
+
+def checkpoint_state(gpu: GpuSample, own_pids: Iterable[int]) -> str | None:
+    """Ask the driver (through the suspend worker, never in this process) about the running engine's
+    one GPU process: "pid N: RUNNING", or "unavailable: why". None when no engine of ours is on the GPU."""
+    if not gpu.usable or not gpu.processes or not own_pids:
+        return None
+    pid, _ = pick_target(unique_processes(gpu.processes + (gpu.graphics_processes or ())), own_pids)
+    if pid is None:
+        return None
+    suspender = Suspender(deadline_s=CHECKPOINT_STATE_TIMEOUT_S)
+    suspender.query(pid)
+    sample = suspender.wait(CHECKPOINT_STATE_TIMEOUT_S)
+    if sample.outcome is Outcome.REPORTED and sample.state is not None:
+        return f"pid {pid}: {sample.state.name}"
+    if sample.outcome is Outcome.UNAVAILABLE:
+        return f"unavailable: {sample.error}"
+    return None  # no answer in time, or an error about this pid: says nothing about the host
 
 
 def _process_names(gpu: GpuSample) -> tuple[tuple[int, str], ...]:
@@ -48,7 +88,9 @@ def gather(
             timeout = min(DEFAULT_NVML_TIMEOUT_S, cfg.watchdog.nvml_hung_after)
             kwargs = {"nvml": nvml} if nvml is not None else {}
             gpu = nvmlprobe.read_gpu(cfg.gpu.index, timeout, **kwargs)
+    own_pids = frozenset(own_pids)
     host = gather_host(cfg.engine.host, cfg.engine.port, cfg.engine.model, root)
+    host = dataclasses.replace(host, mem_available_bytes=read_mem_available(root))
     version = error = None
     try:
         version = str(argvmod.engine_version(cfg.engine.python))
@@ -59,8 +101,9 @@ def gather(
         host=host,
         engine_version=version,
         engine_error=error,
-        own_pids=frozenset(own_pids),
+        own_pids=own_pids,
         pid_names=_process_names(gpu),
+        checkpoint_state=checkpoint_state(gpu, own_pids) if cfg.gpu.required else None,
     )
 
 

@@ -268,7 +268,7 @@ class Daemon:
 
     def _after_tick(self, old_phase: Phase, st: policy.PolicyState, snap: Snapshot, tick_s: float) -> None:
         now = snap.now
-        if st.phase is Phase.READY and old_phase is not Phase.READY:
+        if st.phase is Phase.READY and old_phase not in (Phase.READY, Phase.RESUMING):  # a resume logs its own line
             took = now - (snap.child.started_at or now)
             log.info("engine ready in %.1f s (pid %s) at %s: %s", took, snap.child.pid, self.cfg.engine_url, status_line(st, snap))
             if self.last_restart_record is not None:

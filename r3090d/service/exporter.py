@@ -1,7 +1,8 @@
 """The Prometheus exporter, /healthz and /livez, all read from the daemon's latest state document.
 
 `/metrics` is prometheus_client's exposition of a custom collector: collect()
-builds every r3090d family from the latest state document, so a scrape never
+builds every r3090d family from the latest state document (read through
+report.parse, into the types the daemon wrote it from), so a scrape never
 touches the engine, NVML or the loop; prometheus_client's ProcessCollector adds
 the daemon's own CPU, memory and file descriptors. Points in time are Unix
 timestamps (`*_timestamp_seconds`), so a rule computes ages with time() and a
@@ -266,11 +267,32 @@ def _le(upper: float) -> str:
     return repr(float(upper))
 
 
+class LatestDocument:
+    """get_doc's latest document, parsed once.
+
+    The daemon publishes a new dict each tick and never changes one it has
+    published, so every scrape and probe between two ticks reads the same one:
+    it is parsed at its first read, not at each.
+    """
+
+    def __init__(self, get_doc):
+        self._get_doc = get_doc
+        self._last: tuple[object, StateDocument | None] = (None, None)  # (the dict, parsed)
+
+    def __call__(self) -> StateDocument | None:
+        raw = self._get_doc()
+        seen, parsed = self._last
+        if raw is not seen:
+            parsed = view(raw)
+            self._last = (raw, parsed)  # one assignment: the HTTP thread and a scrape may both be here
+        return parsed
+
+
 class StateCollector:
     """prometheus_client's collector protocol: collect() yields the families of the latest document."""
 
     def __init__(self, get_doc, clock=time.time):
-        self._get_doc = get_doc
+        self._get_doc = get_doc if isinstance(get_doc, LatestDocument) else LatestDocument(get_doc)
         self._clock = clock
 
     def collect(self):
@@ -612,10 +634,10 @@ class Exporter:
     def __init__(self, host: str, port: int, get_doc, *, clock=time.time):
         self.host = host
         self.port = port
+        self._get_doc = LatestDocument(get_doc)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(StateCollector(get_doc, clock))
+        self.registry.register(StateCollector(self._get_doc, clock))
         ProcessCollector(registry=self.registry)  # /proc/self: the exporter runs inside the daemon
-        self._get_doc = get_doc
         self._clock = clock
         self._server: _HttpServer | None = None
 

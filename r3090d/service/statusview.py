@@ -2,9 +2,12 @@
 
 Exit codes follow the monitoring-plugin scheme (r3090d.exitcodes):
   0 OK        the engine is ready and no warning fires
-  1 WARNING   starting, draining, restarting, backoff, maintenance, a warning firing
-  2 CRITICAL  the engine is down or given up, a critical alert firing
-  3 UNKNOWN   the daemon is not running (the last persisted state is shown)
+  1 WARNING   starting, draining, restarting, backoff, suspended (or on the way
+              there or back), maintenance, a warning firing
+  2 CRITICAL  the engine is down or given up, or in a phase this r3090ctl does
+              not know; a critical alert firing
+  3 UNKNOWN   the daemon is not running (the last persisted state is shown), or
+              its state is in a format this r3090ctl cannot read
 A silenced alert is shown but does not raise the exit code: silencing is how an
 operator acknowledges it.
 """
@@ -21,7 +24,9 @@ from r3090d.core.vocabulary import Phase
 from r3090d.service.report import StateDocument, parse_section, view
 
 LABELS = {exitcodes.OK: "OK", exitcodes.WARNING: "WARNING", exitcodes.CRITICAL: "CRITICAL", exitcodes.UNKNOWN: "UNKNOWN"}
-WARNING_PHASES = frozenset({Phase.STARTING, Phase.DRAINING, Phase.RESTARTING, Phase.BACKOFF})
+RESTART_PHASES = frozenset({Phase.DRAINING, Phase.RESTARTING, Phase.BACKOFF})  # the verdict names the restart's reason
+# A suspension is asked for, like maintenance: not serving, but nothing is wrong.
+WARNING_PHASES = RESTART_PHASES | {Phase.STARTING, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING}
 CRITICAL_PHASES = frozenset({Phase.STOPPED, Phase.GIVEN_UP, Phase.SHUTTING_DOWN})
 GIB = 1024**3
 
@@ -57,7 +62,7 @@ def evaluate(doc: StateDocument | dict | None, *, running: bool, now: float) -> 
         crit.append(f"engine {engine.phase}")
     elif engine.phase in WARNING_PHASES:
         reason = d.restarts.last_reason
-        warn.append(f"engine {engine.phase}" + (f" ({reason})" if reason and engine.phase is not Phase.STARTING else ""))
+        warn.append(f"engine {engine.phase}" + (f" ({reason})" if reason and engine.phase in RESTART_PHASES else ""))
     elif engine.phase is not Phase.READY:
         crit.append(f"engine in an unknown phase {engine.phase_name!r}")
     if engine.maintenance:

@@ -51,54 +51,57 @@ SUSPENDED_FILE = "suspended.json"
 RECORD_FORMAT = 1
 
 
+# Every field has a default, as the state document's readers (report.parse) need.
+
+
 @dataclass(frozen=True)
 class LastRequest:
-    request: int
-    op: str
-    result: str
-    detail: str
-    at: float  # wall clock
+    request: int = 0
+    op: str = ""  # "suspend" | "resume"
+    result: str = ""  # a core.suspension.Result value
+    detail: str = ""
+    at: float | None = None  # wall clock
 
 
 @dataclass(frozen=True)
 class WorkerStep:
-    step: str
-    ok: bool
-    took_s: float
-    error: str
+    step: str = ""  # a checkpoint.Step value
+    ok: bool = False
+    took_s: float = 0.0
+    error: str = ""
 
 
 @dataclass(frozen=True)
 class WorkerInfo:
     """The worker's latest operation, with the driver's own step timings."""
 
-    op: str | None
-    pid: int | None
-    in_flight: bool
-    overdue: bool
-    step: str | None
-    steps: tuple[WorkerStep, ...]
-    outcome: str | None
-    state: str | None
-    error: str
-    duration_s: float | None
+    op: str | None = None
+    pid: int | None = None
+    in_flight: bool = False
+    overdue: bool = False
+    step: str | None = None
+    steps: tuple[WorkerStep, ...] = ()
+    outcome: str | None = None
+    state: str | None = None
+    error: str = ""
+    duration_s: float | None = None
 
 
 @dataclass(frozen=True)
 class SuspendInfo:
     """The state document's "suspend" section: what status shows while suspended, and what --wait follows."""
 
-    stage: Stage | None  # None: no suspension
-    since: float | None  # wall clock: when the engine became suspended
-    cold: bool  # no engine process behind the suspension: resume starts a new one
-    pid: int | None  # the checkpointed process
-    gpu_bytes: int  # GPU memory it held: what resuming needs free (plus the margin)
-    host_rss_bytes: int | None  # its resident host memory now (it grew by gpu_bytes)
-    frozen_requests: int  # requests frozen with the engine at the drain deadline
-    error: str  # the last refusal or failure, one line
-    how_to_resume: str | None
-    last: LastRequest | None  # how the operator's last suspend or resume ended
-    worker: WorkerInfo | None
+    stage: Stage | None = None  # None: no suspension
+    since: float | None = None  # wall clock: when the engine became suspended
+    cold: bool = False  # no engine process behind the suspension: resume starts a new one
+    pid: int | None = None  # the checkpointed process
+    gpu_bytes: int = 0  # GPU memory it held: what resuming needs free (plus the margin)
+    host_rss_bytes: int | None = None  # its resident host memory now (it grew by gpu_bytes)
+    frozen_requests: int = 0  # requests frozen with the engine at the drain deadline
+    error: str = ""  # the last refusal or failure, one line
+    how_to_resume: str | None = None
+    last: LastRequest | None = None  # how the operator's last suspend or resume ended
+    worker: WorkerInfo | None = None
     remind_after_s: float = 0.0  # the suspended_long alert's delay (suspend.remind_after)
 
     def to_json(self) -> dict:

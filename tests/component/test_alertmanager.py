@@ -343,19 +343,22 @@ def test_a_down_alertmanager_never_slows_submit(down):
                     started = time.perf_counter()
                     d.submit(SendAlert(key, "warning", state, f"{key} round {round_}"))
                     times.append(time.perf_counter() - started)
+            times.sort()
+            worst, median = times[-1], times[len(times) // 2]
+            print(f"\n[alertmanager {down}] {len(times)} submits: max {worst * 1000:.3f} ms, median {median * 1000:.3f} ms")
+            # A submit that waited on the network would take the 3 s timeout, or the 0.2 s
+            # backoff; the bound leaves room for a loaded machine's scheduling.
+            assert worst < 0.1, f"a submit() took {worst * 1000:.1f} ms"
+            assert median < 0.001, f"the median submit() took {median * 1000:.2f} ms"
             wait_for(lambda: d.status()["alertmanager"]["failing"], 10, "the channel to report the failure")
             # One POST per key waits, the newest, however many states were submitted (plus one in flight).
             assert d.status()["alertmanager"]["pending"] <= len(keys) + 1
             started = time.perf_counter()
             assert d.flush(0.3) is False
-            flush_wait = time.perf_counter() - started
+            assert time.perf_counter() - started < 2.0
     finally:
         if listener:
             listener.close()
-    times.sort()
-    worst, median = times[-1], times[len(times) // 2]
-    print(f"\n[alertmanager {down}] {len(times)} submits: max {worst * 1000:.3f} ms, median {median * 1000:.3f} ms; flush(0.3) waited {flush_wait:.2f} s")
-    assert worst < 0.05, f"a submit() took {worst * 1000:.1f} ms"
 
 
 @needs_alertmanager

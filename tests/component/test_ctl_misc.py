@@ -12,7 +12,7 @@ import pytest
 
 from r3090d import exitcodes
 from r3090d.service import control
-from tests.ctl_harness import CTL, ctl, ctl_json, wait_until
+from tests.ctl_harness import CTL, ctl, ctl_json, engine_config, wait_until, write_config
 
 pytestmark = pytest.mark.component
 
@@ -110,3 +110,19 @@ def test_history_shows_one_record_in_full(make_daemon):
     rc, rec = ctl_json(d.config, "history", "1")
     assert rc == 0 and rec["reason"] == "requested" and rec["snapshot"]["child"]["pid"] == old
     assert not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE
+
+
+def test_status_of_a_state_in_a_newer_format_is_one_line_saying_restart_the_daemon(tmp_path, fake_engine_python):
+    # What a newer r3090d left behind: this r3090ctl cannot tell what it means.
+    config = write_config(tmp_path / "r3090d.toml", engine_config(tmp_path, fake_engine_python))
+    state = tmp_path / "state" / "state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"format": 99, "written_at": 1.0, "engine": {"phase": "ready"}, "daemon": {"pid": os.getpid()}}))
+    out = ctl(config, "status")
+    assert out.returncode == exitcodes.UNKNOWN, out
+    [line] = out.stdout.splitlines()
+    assert line.startswith(f"UNKNOWN: {state}: the state was written in format 99, this r3090ctl reads ") and ": restart the daemon" in line
+    assert out.stderr == ""
+    rc, doc = ctl_json(config, "status")
+    assert rc == exitcodes.UNKNOWN and doc["verdict"] == "UNKNOWN" and doc["reasons"] == [line.removeprefix("UNKNOWN: ")]
+    assert doc["state"]["format"] == 99  # --json still shows the document as written

@@ -421,6 +421,16 @@ def test_an_engine_that_dies_while_suspended_stays_down_and_resume_starts_it_col
     assert r.of(SaveSuspension) == [SaveSuspension(None)] and r.st.suspend_last.result is Result.STARTED_COLD
 
 
+def test_an_engine_that_dies_while_draining_leaves_the_gpu_free_and_answers_the_request():
+    r = Run()
+    r.tick(suspend_requested=4)
+    r.tick(ch=ChildSample(pid=API, alive=False, exit_code=1, tree_pids=(CORE,), generation=1))
+    assert r.st.phase is Phase.SUSPENDED and r.st.suspension.cold
+    assert (r.st.suspend_last.request, r.st.suspend_last.result) == (4, Result.SUSPENDED)
+    assert r.of(StopEngine) == [StopEngine(drain=False, reason="suspended engine lost")]  # its orphan only holds memory
+    assert not r.of(RecordRestart) and r.st.restarts_total == 0
+
+
 def test_a_daemon_started_with_a_suspension_on_record_keeps_the_engine_down():
     c = cfg()
     record = SuspendRecord(pid=CORE, engine_pid=API, bytes=HELD, since=500.0)

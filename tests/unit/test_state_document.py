@@ -255,3 +255,54 @@ def test_every_reader_survives_a_damaged_document(doc):
         readers(doc)
     except UnreadableFormat:
         pass
+
+
+def test_status_judges_a_newer_format_from_the_socket_unknown():
+    from r3090d.cli import status_cmd
+
+    found = status_cmd.located(True, {**FULL, "format": 99}, "socket", None, "/var/lib/r3090d/state.json")
+    assert found.state is None and found.doc is not None and found.doc["format"] == 99
+    verdict = status_cmd.judge(found, NOW)
+    assert verdict.code == exitcodes.UNKNOWN
+    assert verdict.line().startswith("UNKNOWN: the daemon's control socket: the state was written in format 99,")
+    readable = status_cmd.located(True, FULL, "socket", None, "/var/lib/r3090d/state.json")
+    assert readable.unreadable is None and status_cmd.judge(readable, NOW).line() == "CRITICAL: gpu_memory firing"
+
+
+@pytest.mark.parametrize("phase", [Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING])
+def test_a_suspended_engine_is_a_warning_not_an_unknown_phase(phase):
+    doc = copy.deepcopy(FULL)
+    doc["engine"]["phase"] = phase.value
+    doc["alerts"]["firing"] = {}
+    verdict = statusview.evaluate(doc, running=True, now=NOW)
+    assert verdict.line() == f"WARNING: engine {phase.value}"  # no restart reason: none is under way
+
+
+def test_the_exporter_parses_each_published_document_once():
+    published = {"doc": FULL}
+    reads = []
+    latest = exporter.LatestDocument(lambda: reads.append(1) or published["doc"])
+    first = latest()
+    assert latest() is first and len(reads) == 2  # read twice, parsed once
+    published["doc"] = {**FULL, "written_at": NOW}  # the next tick: a new dict
+    assert latest().written_at == NOW
+    published["doc"] = None
+    assert latest() is None
+
+
+def test_preflight_trusts_the_engine_pids_of_a_live_daemons_readable_state(tmp_path):
+    import os
+
+    from r3090d.cli.preflight_cmd import own_engine_pids
+
+    cfg = config.from_dict({"engine": {"python": "/usr/bin/python3", "model": "/srv/model"}, "daemon": {"state_dir": str(tmp_path)}}, check_files=False)
+    state = tmp_path / "state.json"
+    doc = copy.deepcopy(FULL)
+    doc["daemon"]["pid"] = os.getpid()  # alive
+    doc["engine"].update(pid=5, tree_pids=[6, "7", 5])
+    state.write_text(json.dumps(doc))
+    assert own_engine_pids(cfg) == (5, 6)
+    state.write_text(json.dumps({**doc, "format": 99}))
+    assert own_engine_pids(cfg) == ()  # what a newer daemon wrote vouches for nothing
+    state.write_text("[1, 2]")
+    assert own_engine_pids(cfg) == ()
