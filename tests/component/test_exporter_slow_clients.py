@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from r3090d.service import exporter
+from r3090d.service import exporter, httpserver
 from tests.ctl_harness import wait_until
 
 pytestmark = pytest.mark.component
@@ -130,7 +130,7 @@ def test_healthz_answers_fast_while_200_slow_clients_dribble_requests(served):
         wait_until(lambda: slow.rounds >= 3, 30, what="200 slow clients connected and sending")
         # Long enough to outlast the header deadline, so the slow clients are cut and
         # come back while /healthz is asked: churn as well as a standing crowd.
-        span = exporter.HEADER_TIMEOUT_S * 2 + 0.5
+        span = httpserver.HEADER_TIMEOUT_S * 2 + 0.5
         latencies: list[float] = []
         failures: list[str] = []
         t_end = time.monotonic() + span
@@ -161,8 +161,8 @@ def test_more_slow_clients_than_connections_cannot_hold_them_all(monkeypatch):
     # connections keeps /healthz answering past the cap. (The slow clients do not
     # come back when closed: this is about holding connections, not a race of
     # connects against the moment /healthz's request arrives.)
-    monkeypatch.setattr(exporter, "MAX_HTTP_CONNECTIONS", 20)
-    monkeypatch.setattr(exporter, "HEADER_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(httpserver, "MAX_HTTP_CONNECTIONS", 20)
+    monkeypatch.setattr(httpserver, "HEADER_TIMEOUT_S", 60.0)
     ex = exporter.Exporter("127.0.0.1", 0, lambda: READY, clock=lambda: NOW).start()
     try:
         with SlowClients(ex.port, 50, reopen=False) as slow:
@@ -178,7 +178,7 @@ def test_more_slow_clients_than_connections_cannot_hold_them_all(monkeypatch):
 
 
 def test_a_request_dribbled_byte_by_byte_is_cut_at_the_header_deadline(served):
-    limit = exporter.HEADER_TIMEOUT_S
+    limit = httpserver.HEADER_TIMEOUT_S
     with socket.create_connection(("127.0.0.1", served.port), timeout=5) as s:
         t0 = time.monotonic()
         s.setblocking(False)

@@ -14,7 +14,8 @@ from r3090d import config
 from r3090d.config import Config
 from r3090d.core.vocabulary import Phase
 from r3090d.effectors.child import DRAIN_MARGIN_S
-from r3090d.service.exporter import Exporter, HttpRequest, Method
+from r3090d.service.exporter import Exporter
+from r3090d.service.httpserver import HttpRequest, Method
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (pip install -e '.[test]')")
 

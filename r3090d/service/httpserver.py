@@ -1,0 +1,349 @@
+"""A small HTTP/1.0 server for the exporter: one thread, a selector, non-blocking sockets.
+
+Slow or idle clients cannot starve it: a request's head must arrive within
+HEADER_TIMEOUT_S of the connect however the bytes trickle in (a 408 otherwise),
+the reply must be taken within REPLY_TIMEOUT_S, and past MAX_HTTP_CONNECTIONS
+the oldest connection makes room for the newest. Replies are built in the
+server's thread by the `respond` callable, which must be quick (the exporter's
+are well under a millisecond). Request parsing and reply rendering are pure.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import itertools
+import logging
+import re
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from email.utils import formatdate
+from http import HTTPStatus
+
+log = logging.getLogger("r3090d.service.exporter")
+
+HEADER_TIMEOUT_S = 2.0  # for the whole request head, counted from the connect: bytes that trickle in buy no time
+REPLY_TIMEOUT_S = 5.0  # for the whole reply, for a client that reads slowly
+LINGER_S = 1.0  # after the reply, for the client to close its side
+MAX_HEAD_BYTES = 16 * 1024
+MAX_DISCARD_BYTES = 1024 * 1024  # read and dropped after the reply, at most
+MAX_HTTP_CONNECTIONS = 512  # open at once; past it the oldest makes room for the newest
+LISTEN_BACKLOG = 128
+ACCEPT_PAUSE_S = 0.1  # out of file descriptors with no connection to give up
+
+
+class Method(enum.Enum):
+    GET = "GET"
+    HEAD = "HEAD"
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    method: Method
+    path: str  # without the query string
+    accept: str | None  # the Accept header(s), joined
+
+
+@dataclass(frozen=True)
+class HttpReply:
+    code: int
+    content_type: str
+    body: bytes
+
+
+def text_reply(code: int, text: str) -> HttpReply:
+    return HttpReply(code, "text/plain; charset=utf-8", (text + "\n").encode())
+
+
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+_VERSION = re.compile(r"HTTP/(\d)\.(\d)")
+
+
+def head_end(buf: bytes | bytearray, start: int = 0) -> int | None:
+    """The length of the request head in `buf` (blank line included), or None while it is incomplete (pure)."""
+    m = _HEAD_END.search(buf, start)
+    return m.end() if m else None
+
+
+def parse_head(head: bytes) -> HttpRequest | HttpReply:
+    """The request in a complete request head, or the error reply it gets (pure)."""
+    lines = head.decode("latin-1").split("\n")
+    parts = lines[0].strip().split()
+    if len(parts) != 3 or not _VERSION.fullmatch(parts[2]):
+        return text_reply(400, "bad request line")
+    method, target, version = parts
+    if not version.startswith("HTTP/1."):
+        return text_reply(505, "HTTP/1.x only")
+    accepts = []
+    for line in lines[1:]:
+        line = line.rstrip("\r")
+        if not line:
+            continue
+        name, colon, value = line.partition(":")
+        if not colon or not name or name != name.strip():
+            return text_reply(400, "bad header line")
+        if name.lower() == "accept":
+            accepts.append(value.strip())
+    if method not in Method.__members__:
+        return text_reply(501, "only GET and HEAD")
+    return HttpRequest(Method(method), target.split("?", 1)[0], ", ".join(accepts) or None)
+
+
+def render(reply: HttpReply, *, body: bool, now: float) -> bytes:
+    """The reply on the wire: HTTP/1.0, and the connection closes after it (pure)."""
+    head = (
+        f"HTTP/1.0 {reply.code} {HTTPStatus(reply.code).phrase}\r\n"
+        f"Server: r3090d\r\n"
+        f"Date: {formatdate(now, usegmt=True)}\r\n"
+        f"Content-Type: {reply.content_type}\r\n"
+        f"Content-Length: {len(reply.body)}\r\n"
+        "Cache-Control: no-store\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode("latin-1") + (reply.body if body else b"")
+
+
+class Stage(enum.Enum):
+    READING = "reading"  # the request head
+    WRITING = "writing"  # the reply
+    LINGERING = "lingering"  # reply sent: what the client still sends is dropped until it closes
+
+
+@dataclass(eq=False)
+class _HttpConn:
+    sock: socket.socket
+    cid: int
+    stage: Stage
+    deadline: float
+    inbuf: bytearray = field(default_factory=bytearray)
+    scanned: int = 0  # inbuf[:scanned] holds no head end
+    outbuf: bytearray = field(default_factory=bytearray)
+    discarded: int = 0
+
+
+_LISTENER, _WAKE = "listener", "wake"
+
+
+class _HttpServer:
+    """HTTP/1.0 on one thread; `start()` raises OSError (the port), nothing after it raises."""
+
+    def __init__(self, host: str, port: int, family: socket.AddressFamily, respond):
+        self._address = (host, port)
+        self._family = family
+        self._respond = respond  # HttpRequest -> HttpReply; must not raise
+        self._sel: selectors.BaseSelector | None = None
+        self._listener: socket.socket | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._conns: dict[int, _HttpConn] = {}  # in accept order: the first is the oldest
+        self._ids = itertools.count(1)
+        self._accept_paused_until: float | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.counters = {"connections": 0, "displaced": 0, "timed_out": 0}
+
+    def start(self) -> int:
+        """Listen, start the thread; returns the port."""
+        listener = socket.socket(self._family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(self._address)
+            listener.listen(LISTEN_BACKLOG)
+        except OSError:
+            listener.close()
+            raise
+        listener.setblocking(False)
+        self._listener = listener
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(listener, selectors.EVENT_READ, _LISTENER)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._thread = threading.Thread(target=self._serve, name="exporter", daemon=True)
+        self._thread.start()
+        return listener.getsockname()[1]
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self._wake_w is not None:
+            try:
+                self._wake_w.send(b"x")
+            except OSError:
+                pass  # full or closed: the thread is awake anyway
+        if self._thread is not None:
+            self._thread.join(5.0)
+        for conn in list(self._conns.values()):
+            self._close(conn)
+        for s in (self._listener, self._wake_r, self._wake_w):
+            if s is not None:
+                s.close()
+        if self._sel is not None:
+            self._sel.close()
+
+    # ---------------------------------------------------------- the thread
+
+    def _serve(self) -> None:
+        assert self._sel is not None
+        while not self._stopping:
+            now = time.monotonic()
+            wake_at = min((c.deadline for c in self._conns.values()), default=now + 1.0)
+            if self._accept_paused_until is not None:
+                wake_at = min(wake_at, self._accept_paused_until)
+            try:
+                events = self._sel.select(max(0.0, min(wake_at, now + 1.0) - now))
+            except OSError as exc:  # should not happen; never spin on it
+                log.error("exporter: select failed: %s", exc)
+                time.sleep(0.1)
+                continue
+            for key, _mask in events:
+                conn = None
+                try:
+                    if key.data == _LISTENER:
+                        self._accept()
+                    elif key.data == _WAKE:
+                        self._drain_wake()
+                    elif (conn := self._conns.get(key.data)) is not None:
+                        self._step(conn)
+                except Exception:  # a bug must cost one connection, not the server
+                    log.exception("exporter: unexpected error")
+                    if conn is not None:
+                        self._close(conn)
+            try:
+                self._expire(time.monotonic())
+            except Exception:
+                log.exception("exporter: unexpected error")
+
+    def _accept(self) -> None:
+        assert self._listener is not None and self._sel is not None
+        for _ in range(64):
+            try:
+                sock, _addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    if self._conns:
+                        self._displace_oldest()  # frees a descriptor for the next try
+                        continue
+                    log.warning("exporter: cannot accept: %s", exc.strerror)
+                    self._pause_accepting()
+                return
+            sock.setblocking(False)
+            self.counters["connections"] += 1
+            while len(self._conns) >= MAX_HTTP_CONNECTIONS:
+                self._displace_oldest()
+            conn = _HttpConn(sock=sock, cid=next(self._ids), stage=Stage.READING, deadline=time.monotonic() + HEADER_TIMEOUT_S)
+            self._conns[conn.cid] = conn
+            self._sel.register(sock, selectors.EVENT_READ, conn.cid)
+            self._step(conn)  # most clients send their request with the connect: answer it now
+
+    def _displace_oldest(self) -> None:
+        self.counters["displaced"] += 1
+        self._close(next(iter(self._conns.values())))
+
+    def _pause_accepting(self) -> None:
+        # Out of descriptors with no connection to give up: the listener would stay
+        # readable and spin the loop, so stop watching it for a moment.
+        assert self._sel is not None and self._listener is not None
+        self._sel.unregister(self._listener)
+        self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE_S
+
+    def _step(self, conn: _HttpConn) -> None:
+        if conn.stage is Stage.WRITING:
+            self._flush(conn)
+            return
+        try:
+            data = conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        if not data:
+            self._close(conn)  # the client left (after its reply, or before finishing its request)
+            return
+        if conn.stage is Stage.LINGERING:
+            conn.discarded += len(data)
+            if conn.discarded > MAX_DISCARD_BYTES:
+                self._close(conn)
+            return
+        conn.inbuf += data
+        end = head_end(conn.inbuf, conn.scanned)
+        if end is None:
+            conn.scanned = max(0, len(conn.inbuf) - 3)
+            if len(conn.inbuf) > MAX_HEAD_BYTES:
+                self._answer(conn, text_reply(431, f"request head longer than {MAX_HEAD_BYTES} bytes"))
+            return
+        if end > MAX_HEAD_BYTES:
+            self._answer(conn, text_reply(431, f"request head longer than {MAX_HEAD_BYTES} bytes"))
+            return
+        parsed = parse_head(bytes(conn.inbuf[:end]))
+        if isinstance(parsed, HttpReply):
+            self._answer(conn, parsed)
+        else:
+            self._answer(conn, self._respond(parsed), body=parsed.method is Method.GET)
+
+    def _answer(self, conn: _HttpConn, reply: HttpReply, *, body: bool = True) -> None:
+        assert self._sel is not None
+        conn.outbuf = bytearray(render(reply, body=body, now=time.time()))
+        conn.inbuf.clear()
+        conn.stage = Stage.WRITING
+        conn.deadline = time.monotonic() + REPLY_TIMEOUT_S
+        self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn.cid)
+        self._flush(conn)
+
+    def _flush(self, conn: _HttpConn) -> None:
+        assert self._sel is not None
+        while conn.outbuf:
+            try:
+                sent = conn.sock.send(conn.outbuf)
+            except (BlockingIOError, InterruptedError):
+                return  # the selector says when it can take more
+            except OSError:
+                self._close(conn)
+                return
+            del conn.outbuf[:sent]
+        # Closing with unread input would reset the connection and could destroy the
+        # reply in the client's buffers: end our side, and read until the client closes.
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self._close(conn)
+            return
+        conn.stage = Stage.LINGERING
+        conn.deadline = time.monotonic() + LINGER_S
+        self._sel.modify(conn.sock, selectors.EVENT_READ, conn.cid)
+
+    def _expire(self, now: float) -> None:
+        if self._accept_paused_until is not None and now >= self._accept_paused_until:
+            assert self._sel is not None and self._listener is not None
+            self._accept_paused_until = None
+            self._sel.register(self._listener, selectors.EVENT_READ, _LISTENER)
+        for conn in [c for c in self._conns.values() if c.deadline <= now]:
+            if conn.stage is Stage.READING:
+                self.counters["timed_out"] += 1
+                self._answer(conn, text_reply(408, f"request head not received within {HEADER_TIMEOUT_S:g} s"))
+            else:
+                self._close(conn)  # a reply not taken in time, or a client that does not close
+
+    def _close(self, conn: _HttpConn) -> None:
+        if self._conns.pop(conn.cid, None) is None:
+            return
+        try:
+            if self._sel is not None:
+                self._sel.unregister(conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        conn.sock.close()
+
+    def _drain_wake(self) -> None:
+        assert self._wake_r is not None
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
