@@ -21,6 +21,7 @@ import pytest
 from r3090d.effectors.checkpoint import FAKE_ENV, ProcessState, Step
 from r3090d.effectors.suspender import WORKER_MODULE, Suspender
 from r3090d.effectors.suspender_worker import EXIT_REJECTED, Outcome
+from tests.daemon_harness import wait_until
 
 FAKE_CUDA = Path(__file__).resolve().parents[1] / "fakecuda"
 ENGINE_MIB = 15349
@@ -35,13 +36,7 @@ def proc_state(pid: int) -> str:
 
 
 def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(predicate, timeout, what=what)
 
 
 class Rig:
