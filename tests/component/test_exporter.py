@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from r3090d.core.vocabulary import Phase, RestartReason
 from r3090d.probes.nvml import clock_reason_table, load_pynvml
 from r3090d.service import control, exporter
+from tests.daemon_harness import wait_until
 
 pytestmark = pytest.mark.component
 
@@ -44,7 +45,7 @@ def test_metrics_scrape_parses_and_matches_the_engine(make_daemon):
     d.start()
     st = d.wait_ready()
     d.fake("POST", "/fake/control", json={"metrics_values": {"running": 3, "waiting": 2, "kv_cache_usage_perc": 0.5}})
-    time.sleep(0.6)
+    wait_until(lambda: (scrape(d)[1].get(("r3090d_requests_running", ())) == 3) and scrape(d)[1][("r3090d_poll_duration_seconds_count", ())] >= 3, 10, what="the new readings exported")
     r, m = scrape(d)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
     assert m[("r3090d_engine_up", ())] == 1
@@ -59,9 +60,7 @@ def test_metrics_scrape_parses_and_matches_the_engine(make_daemon):
     assert ticks >= 3 and m[("r3090d_poll_duration_seconds_bucket", (("le", "+Inf"),))] == ticks
     assert 0 < m[("r3090d_poll_duration_seconds_sum", ())] < ticks  # each tick well under a second
     assert m[("r3090d_restarts_total", (("reason", "requested"),))] == 0
-    time.sleep(0.5)
-    _, m2 = scrape(d)
-    assert m2[("r3090d_poll_duration_seconds_count", ())] > ticks  # the loop observes every tick
+    wait_until(lambda: scrape(d)[1][("r3090d_poll_duration_seconds_count", ())] > ticks, 10, what="the next tick observed")  # every tick is counted
 
     assert control.request(d.runtime_dir, {"cmd": "restart", "drain": False})["ok"]
     d.wait_ready(old_pid=st["engine"]["pid"])

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from r3090d.service import control, exporter
+from tests.daemon_harness import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "etc" / "prometheus-rules.yml"
@@ -131,7 +132,7 @@ def test_rules_fire_on_scrapes_of_a_real_daemon(make_daemon, tmp_path):
     d = make_daemon(watchdog={"poll_interval": 0.2, "kv_cooldown": 0.0, "kv_low_polls": 2})
     d.start()
     d.wait_ready()
-    time.sleep(0.5)
+    wait_until(lambda: any(sel.startswith("r3090d_kv_free_blocks{") for sel, _ in _series(d.exporter_url, "gpu0")), 10, what="the first /metrics reading exported")
     healthy = _series(d.exporter_url, "gpu0")
 
     # Maintenance, then a KV leak the daemon must not remediate: low free blocks, node out of the balancer.
