@@ -85,7 +85,7 @@ def agrees_with_the_process_table(d, st: dict) -> None:
     assert {fake["pid"], fake["engine_core_pid"], fake["worker_pid"]} <= set(st["engine"]["tree_pids"])
 
 
-def test_status_follows_start_kv_restart_backoff_maintenance_reload_and_give_up(make_daemon):
+def test_status_follows_start_kv_restart_backoff_maintenance_reload_and_give_up(make_daemon, request):
     d = make_daemon(extra_args=["--fake-startup-delay", str(STARTUP_S)], watchdog=WATCHDOG, engine={"shutdown_timeout": 2})
     d.start()
 
@@ -214,6 +214,7 @@ def test_status_follows_start_kv_restart_backoff_maintenance_reload_and_give_up(
     watch_path = d.dir / "watch.out"
     watch_out = watch_path.open("w")
     watcher = subprocess.Popen([*CTL, "status", "--watch", "0.2", "--json", "--config", str(d.config)], stdout=watch_out, stderr=subprocess.PIPE, text=True)
+    request.addfinalizer(lambda: watcher.poll() is None and watcher.kill())  # never left running by a failed assertion
 
     def watched() -> list[str]:
         """The phases the watcher has printed so far, in order ("daemon gone" once it is)."""
