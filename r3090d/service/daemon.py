@@ -226,6 +226,9 @@ class Daemon:
                 old_phase = self.st.phase
                 actions, self.st = policy.decide(snap, self.st, self.cfg, snap.now)
                 code = self.execute(actions, snap)
+                if self.alerts is not None:
+                    # Alertmanager's channel re-sends what fires on its own clock, local silences and rate limits aside.
+                    self.alerts.sync(self.st.alerts.firing(), wall_offset=self.offset)
                 self._after_tick(old_phase, self.st, snap, time.monotonic() - tick_start)
                 if code is None:
                     self.wake.wait(max(0.0, tick_start + self.tick_interval() - time.monotonic()))

@@ -178,8 +178,10 @@ def families(doc: StateDocument | dict | None, now: float) -> list:
     ready = engine.phase is Phase.READY
 
     # Not `instance`: Prometheus sets that label to the target, and would rename ours exported_instance.
-    info = GaugeMetricFamily("r3090d_info", "r3090d and the model it serves", labels=["version", "model", "unit_instance"])
-    info.add_metric([daemon.version, engine.model, "" if daemon.instance is None else str(daemon.instance)], 1.0)
+    # host and unit_instance are also labels of the alerts r3090d sends Alertmanager itself, so a rule can
+    # join them onto its own copy of a condition and Alertmanager's inhibit rule can match the two.
+    info = GaugeMetricFamily("r3090d_info", "r3090d and the model it serves", labels=["version", "model", "unit_instance", "host"])
+    info.add_metric([daemon.version, engine.model, "" if daemon.instance is None else str(daemon.instance), daemon.host], 1.0)
     out.append(info)
     gauge("r3090d_state_written_timestamp_seconds", "Unix time the daemon last wrote its state (once per tick)", d.written_at)
     gauge("r3090d_engine_up", "1 when the engine is ready", 1 if ready else 0)

@@ -11,6 +11,7 @@ the SIGTERM).
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 from datetime import datetime
@@ -55,7 +56,7 @@ def test_metrics_scrape_parses_and_matches_the_engine(make_daemon):
     assert m[("r3090d_kv_usage_ratio", ())] == 0.5
     assert m[("r3090d_kv_free_blocks", ())] == 388.0  # (777 - 1) x (1 - 0.5)
     assert m[("r3090d_requests_running", ())] == 3 and m[("r3090d_requests_waiting", ())] == 2
-    assert m[("r3090d_info", (("model", "fake-model"), ("unit_instance", ""), ("version", "0.1.0")))] == 1
+    assert m[("r3090d_info", (("host", socket.gethostname()), ("model", "fake-model"), ("unit_instance", ""), ("version", "0.1.0")))] == 1
     ticks = m[("r3090d_poll_duration_seconds_count", ())]
     assert ticks >= 3 and m[("r3090d_poll_duration_seconds_bucket", (("le", "+Inf"),))] == ticks
     assert 0 < m[("r3090d_poll_duration_seconds_sum", ())] < ticks  # each tick well under a second
@@ -258,7 +259,8 @@ def test_points_in_time_are_unix_timestamps_that_do_not_move_between_scrapes():
 
 def test_info_labels_leave_instance_to_prometheus():
     m = samples(state_doc())
-    assert [labels for n, labels in m if n == "r3090d_info"] == [(("model", "m"), ("unit_instance", "1"), ("version", "0.1.0"))]
+    [labels] = [dict(labels) for n, labels in m if n == "r3090d_info"]
+    assert "instance" not in labels and labels["unit_instance"] == "1" and (labels["model"], labels["version"]) == ("m", "0.1.0")
 
 
 def test_every_restart_reason_and_phase_is_exported_from_the_start():

@@ -349,10 +349,16 @@ CASES = [
     ),
     AlertCase(
         "R3090dCriticalCondition",
-        series=((sel("r3090d_alerts_firing", FIRING, alert="gpu_lost", severity="critical"), "0 1+0x30"),),
-        quiet=((sel("r3090d_alerts_firing", QUIET, alert="gpu_memory", severity="warning"), "0 1+0x30"),),
+        series=(
+            (sel("r3090d_alerts_firing", FIRING, alert="gpu_lost", severity="critical"), "0 1+0x30"),
+            (sel("r3090d_info", FIRING, version="0.1.0", model="m", unit_instance="", host="box"), "1+0x31"),
+        ),
+        quiet=(
+            (sel("r3090d_alerts_firing", QUIET, alert="gpu_memory", severity="warning"), "0 1+0x30"),
+            (sel("r3090d_info", QUIET, version="0.1.0", model="m", unit_instance="", host="box"), "1+0x31"),
+        ),
         start=1,
-        labels={**FIRING_JOB, "alert": "gpu_lost"},
+        labels={**FIRING_JOB, "alert": "gpu_lost", "host": "box"},  # an empty unit_instance is no label at all
         annotations={"summary": "r3090d on gpu0: gpu_lost is firing"},
     ),
 ]
