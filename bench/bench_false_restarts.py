@@ -9,10 +9,10 @@ engine as on a busy GPU; steps capped at STEP_TOKENS tokens, see there) with not
 in [watchdog] overridden, then:
   long prompts  4 closed-loop clients, each prompt max_model_len - 200 tokens long;
   max_num_seqs  the profile's max_num_seqs streams at once (ignore_eos), closed loop;
-  kv sawtooth   a KV cache cut to KV_BLOCKS blocks (--num-gpu-blocks-override); clients
-                ramp from 1 to SAWTOOTH_PEAK over 30 s and back over 30 s (dropped
-                clients cancel their request), so the cache overflows into preemptions
-                and recomputes and drains again, over and over;
+  kv sawtooth   a KV cache cut to KV_BLOCKS blocks (--num-gpu-blocks-override, and
+                max_model_len to fit); clients ramp from 1 to SAWTOOTH_PEAK over 30 s
+                and back over 30 s (dropped clients cancel their request), so the
+                cache overflows into preemptions and recomputes and drains again;
   idle          nothing: only the daemon's inference probe reaches the engine.
 Per run: restarts (must be 0), requests finished/cancelled/failed, inference probes
 (vLLM's own count of max_tokens <= 1 requests: the load never asks for fewer than 100),
@@ -43,9 +43,16 @@ from benchlib import Daemon, fmt, say  # noqa: E402
 
 MINUTES_ENV = "R3090D_BENCH_MINUTES"
 VOCAB = 2048  # the tiny model's vocabulary: every id decodes
-KV_BLOCKS = 160  # 160 x 128 tokens: about ten requests of SAWTOOTH_PROMPT + SAWTOOTH_OUTPUT
-SAWTOOTH_PEAK = 14
-SAWTOOTH_PROMPT, SAWTOOTH_OUTPUT = 1500, 500
+# The sawtooth's KV cache: 12 blocks of 128 tokens. This engine computes about 50
+# tokens/s, so a cache must be this small to overflow within a 30 s ramp (at the
+# peak, SAWTOOTH_PEAK requests of up to SAWTOOTH_PROMPT + SAWTOOTH_OUTPUT tokens
+# want about 45 blocks). It is below the shipped min_free_blocks (100), so the KV
+# rule sees one long shortage: what it can still do is mistake the trough (blocks
+# held, few requests) or a recompute (no token for seconds) for a leak.
+KV_BLOCKS = 12
+SAWTOOTH_MAX_MODEL_LEN = 1024  # at most (KV_BLOCKS - 1) x 128, or vLLM refuses to start
+SAWTOOTH_PEAK = 6
+SAWTOOTH_PROMPT, SAWTOOTH_OUTPUT = 300, 600
 LONG_PROMPT_MARGIN = 200  # prompt = max_model_len - this; max_tokens = this - 50
 # vLLM's token budget per engine step. This CPU engine computes about 50 tokens/s,
 # prefill or decode alike, and vLLM publishes its metrics once per step: with its
@@ -108,9 +115,11 @@ class Load:
                     self._stop.wait(1.0)
 
     def stop(self) -> None:
+        """Ask every client to leave; one blocked in a read ends when the engine stops."""
         self._stop.set()
+        deadline = time.monotonic() + 5.0
         for t in self._threads:
-            t.join(5)
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 def random_prompt(rng: random.Random, n: int) -> list[int]:
@@ -132,6 +141,7 @@ class Scenario:
     name: str
     extra_args: tuple[str, ...]
     load: Callable[[Daemon, int, int], Load | None]  # (daemon, max_model_len, max_num_seqs)
+    profile: dict = field(default_factory=dict)  # [profiles.realtime] overrides
 
 
 def long_prompts(d: Daemon, max_model_len: int, max_num_seqs: int) -> Load:
@@ -152,7 +162,7 @@ def sawtooth(d: Daemon, max_model_len: int, max_num_seqs: int) -> Load:
 SCENARIOS = (
     Scenario("long prompts", (), long_prompts),
     Scenario("max_num_seqs", (), full_batch),
-    Scenario("kv sawtooth", ("--num-gpu-blocks-override", str(KV_BLOCKS)), sawtooth),
+    Scenario("kv sawtooth", ("--num-gpu-blocks-override", str(KV_BLOCKS)), sawtooth, {"max_model_len": SAWTOOTH_MAX_MODEL_LEN}),
     Scenario("idle", (), lambda d, m, s: None),
 )
 
@@ -217,7 +227,8 @@ class Result:
 
 def run(sc: Scenario, minutes: float, step_tokens: int, tmp: Path) -> Result:
     step = ["--max-num-batched-tokens", str(step_tokens)] if step_tokens else []
-    config = benchlib.real_config(tmp, extra_args=[*step, *sc.extra_args])
+    overrides = {"profiles": {"realtime": sc.profile}} if sc.profile else None
+    config = benchlib.real_config(tmp, extra_args=[*step, *sc.extra_args], overrides=overrides)
     from r3090d import config as configmod
 
     cfg = configmod.load(config, check_files=False)

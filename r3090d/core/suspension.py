@@ -233,6 +233,12 @@ def resume_refusal(phase: Phase, s: Suspension | None) -> Refusal | None:
     return Refusal(f"the engine is {phase.value}, not suspended: nothing to resume")
 
 
+def _span(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
 def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / GIB:.1f} GiB"
 
@@ -435,9 +441,12 @@ def _suspended(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: fl
     return _stay(s, (*actions, RequestGpuSample()))
 
 
+LEFTOVERS_WAIT_S = 60.0  # a cold resume waits this long for what is left of the old engine to exit
+
+
 def _checking(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
     if _lost(s, snap):
-        s = replace(s, cold=True)
+        return _gone_cold(s, snap, now)  # answers this resume: the next one starts the engine cold
     g = snap.gpu
     fresh = g.usable and g.taken_at is not None and g.taken_at >= s.stage_since
     if not fresh:
@@ -449,8 +458,12 @@ def _checking(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: flo
     if not ok:
         return _refuse_resume(s, snap, now, text)
     if s.cold:
-        if not snap.child.tree_gone:
-            return _stay(s)  # the old engine's leftovers are still being stopped
+        child = snap.child
+        if not child.tree_gone:  # what is left of the old engine holds the port and memory: it goes first
+            if now - s.stage_since > LEFTOVERS_WAIT_S:
+                return _refuse_resume(s, snap, now, f"what is left of the old engine (pids {', '.join(map(str, child.tree_pids))}) does not exit")
+            stop = (StopEngine(drain=False, reason="suspended engine lost"),) if not child.stopping else ()
+            return _stay(s, stop)
         return Move(None, Phase.STARTING, (SaveSuspension(None),), result=_result(s, Result.STARTED_COLD, f"no engine was left: starting one ({text})", now),
                     start_cold=True)  # fmt: skip
     s = _to(s, Stage.RESTORING, now, op_sent_at=now)
@@ -510,7 +523,7 @@ def conditions(s: Suspension | None, phase: Phase, snap: Snapshot, cfg: Config, 
         "suspended_long",
         long,
         "warning",
-        f"the engine has been suspended for {(now - (since or now)) / 3600:.1f} h, {held}; {HOW_TO_RESUME} brings it back" if long
+        f"the engine has been suspended for {_span(now - (since or now))}, {held}; {HOW_TO_RESUME} brings it back" if long
         else "the engine is no longer suspended, or not for long",
         immediate=True,
     )]  # fmt: skip

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from r3090d.effectors.child import EngineProcess
-from r3090d.service import daemon, journal
+from r3090d.service import journal
 from r3090d.service.journal import MAX_TRACEBACK_LINES, Priority, VllmLineClassifier
 
 E, W, N, D = Priority.ERR, Priority.WARNING, Priority.INFO, Priority.DEBUG  # N: normal (info)

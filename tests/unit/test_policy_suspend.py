@@ -431,6 +431,34 @@ def test_an_engine_that_dies_while_draining_leaves_the_gpu_free_and_answers_the_
     assert not r.of(RecordRestart) and r.st.restarts_total == 0
 
 
+def test_an_engine_that_dies_while_a_resume_checks_answers_that_resume_and_goes_cold():
+    r = Run()
+    r.suspend()
+    r.tick(resume_requested=2, gpu=card(r.now, procs=()))
+    r.tick(ch=ChildSample(pid=API, alive=False, exit_code=-9, tree_pids=(), generation=1), gpu=card(r.now, procs=()))
+    assert r.st.phase is Phase.SUSPENDED and r.st.suspension.cold
+    assert (r.st.suspend_last.request, r.st.suspend_last.result) == (2, Result.REFUSED)
+    assert "starts it cold" in r.st.suspend_last.detail
+
+
+def test_a_cold_resume_waits_for_the_old_engines_leftovers_then_gives_up_on_them():
+    r = Run()
+    r.suspend()
+    orphan = ChildSample(pid=API, alive=False, exit_code=-9, tree_pids=(CORE,), generation=1)
+    r.tick(ch=orphan, gpu=card(r.now, procs=()))
+    assert r.of(StopEngine) and r.st.suspension.cold
+    r.tick(ch=orphan, resume_requested=2, gpu=card(r.now, procs=()))
+    asked = r.now
+    r.tick(ch=orphan, gpu=card(r.now, procs=()))
+    assert r.of(StopEngine) and not r.of(StartEngine) and r.st.phase is Phase.RESUMING
+    stopping = dataclasses.replace(orphan, stopping=True)
+    while r.st.phase is Phase.RESUMING:
+        r.tick(ch=stopping, gpu=card(r.now, procs=()))
+        assert not r.of(StopEngine) and not r.of(StartEngine)
+    assert r.now - asked > suspension.LEFTOVERS_WAIT_S and r.st.phase is Phase.SUSPENDED
+    assert r.st.suspend_last.detail == "what is left of the old engine (pids 101) does not exit"
+
+
 def test_a_daemon_started_with_a_suspension_on_record_keeps_the_engine_down():
     c = cfg()
     record = SuspendRecord(pid=CORE, engine_pid=API, bytes=HELD, since=500.0)
