@@ -173,7 +173,8 @@ class _Run:
         if state is ProcessState.LOCKED and self.step(Step.UNLOCK, lambda: self.driver.unlock(self.pid)):
             self.state = ProcessState.RUNNING
             state = ProcessState.RUNNING
-        self.error = first_error if state is ProcessState.RUNNING else "; ".join(e for e in (first_error, self.error) if e)
+        errors = [e for e in (first_error, self.error) if e]
+        self.error = first_error if state is ProcessState.RUNNING else "; ".join(dict.fromkeys(errors))  # each error once
         return Outcome.KEPT_RUNNING if state is ProcessState.RUNNING else Outcome.FAILED
 
 
