@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--trials", type=int, default=3, help="trials per scenario against the double (default 3)")
     cli.add_argument("--real-trials", type=int, default=1, help="trials per scenario against the real vLLM (default 1)")
     args = cli.parse_args(argv)
+    benchlib.exit_on_sigterm()
 
     results: list[Trial] = []
     with tempfile.TemporaryDirectory(prefix="r3090d-det-") as tmp:

@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cli.add_argument("--rounds", type=int, default=10, help="rounds of each measurement (default 10)")
     args = cli.parse_args(argv)
+    benchlib.exit_on_sigterm()
 
     from tests.fakevllm.harness import make_engine_python
 

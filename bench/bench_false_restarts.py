@@ -1,6 +1,6 @@
 """False restarts under honest load: the shipped watchdog settings against the engine-bound CPU vLLM.
 
-Opt-in (4 runs of 10 minutes plus a vLLM start each): R3090D_BENCH_LONG=1 python bench/bench_false_restarts.py
+Opt-in (5 runs of 10 minutes plus a vLLM start each): R3090D_BENCH_LONG=1 python bench/bench_false_restarts.py
 R3090D_BENCH_MINUTES=N (or --minutes N) shortens each run; --scenario NAME runs one.
 
 Each run starts a fresh daemon on the engine-bound tiny model (tests/e2e/real_vllm.py,
@@ -13,9 +13,13 @@ in [watchdog] overridden, then:
                 max_model_len to fit); clients ramp from 1 to SAWTOOTH_PEAK over 30 s
                 and back over 30 s (dropped clients cancel their request), so the
                 cache overflows into preemptions and recomputes and drains again;
-  idle          nothing: only the daemon's inference probe reaches the engine.
+  idle          nothing: only the daemon's inference probe reaches the engine;
+  idle bursts   one long prompt (BURST_PROMPT tokens) after each pause of BURST_IDLE
+                seconds: a prompt that lands just before a probe is due queues that
+                probe behind its whole prefill, while the engine visibly progresses.
 Per run: restarts (must be 0), requests finished/cancelled/failed, inference probes
-(vLLM's own count of max_tokens <= 1 requests: the load never asks for fewer than 100),
+(vLLM's own count of max_tokens <= 1 requests: the load never asks for fewer than 16;
+the last engine's counters, should a restart have replaced it),
 preemptions, the longest stretch with requests running and no progress (generation
 tokens, prompt tokens or KV usage unchanged; sampled from the state file every tick)
 and the slowest probe answer, against stall_seconds and probe_timeout.
@@ -53,6 +57,11 @@ KV_BLOCKS = 12
 SAWTOOTH_MAX_MODEL_LEN = 1024  # at most (KV_BLOCKS - 1) x 128, or vLLM refuses to start
 SAWTOOTH_PEAK = 6
 SAWTOOTH_PROMPT, SAWTOOTH_OUTPUT = 300, 600
+# Idle bursts: a BURST_PROMPT-token prompt (about 20 s of prefill here) after
+# BURST_IDLE seconds of nothing, longer than probe_idle_seconds: the probe runs in
+# the pauses, and each prompt lands somewhere in its cycle.
+BURST_PROMPT = 1000
+BURST_IDLE = (8.0, 20.0)
 LONG_PROMPT_MARGIN = 200  # prompt = max_model_len - this; max_tokens = this - 50
 # vLLM's token budget per engine step. This CPU engine computes about 50 tokens/s,
 # prefill or decode alike, and vLLM publishes its metrics once per step: with its
@@ -122,6 +131,41 @@ class Load:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
+class Bursts:
+    """One client: a long prompt, then BURST_IDLE seconds of nothing (random, seeded), again and again."""
+
+    def __init__(self, url: str, model: str):
+        self.url, self.model = url, model
+        self._stop = threading.Event()
+        self.finished = self.cancelled = self.failed = 0
+        self.last_error = ""
+        self._thread = threading.Thread(target=self._run, name="bursts", daemon=True)
+
+    def start(self) -> Bursts:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        rng = random.Random(3090)
+        with httpx.Client(timeout=httpx.Timeout(10.0, read=600.0), trust_env=False) as client:
+            while not self._stop.wait(rng.uniform(*BURST_IDLE)):
+                body = {"model": self.model, "prompt": random_prompt(rng, BURST_PROMPT), "max_tokens": 16, "ignore_eos": True}
+                try:
+                    ok = client.post(self.url + "/v1/completions", json=body).status_code == 200
+                except httpx.HTTPError as exc:
+                    self.last_error, ok = f"{type(exc).__name__}: {exc}", False
+                if self._stop.is_set():
+                    self.cancelled += 1
+                elif ok:
+                    self.finished += 1
+                else:
+                    self.failed += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+
 def random_prompt(rng: random.Random, n: int) -> list[int]:
     # Token ids, so the length is exact; random, so the prefix cache saves no prefill.
     return [rng.randrange(VOCAB) for _ in range(n)]
@@ -140,7 +184,7 @@ def triangle(period: float, low: int, high: int) -> Callable[[float], int]:
 class Scenario:
     name: str
     extra_args: tuple[str, ...]
-    load: Callable[[Daemon, int, int], Load | None]  # (daemon, max_model_len, max_num_seqs)
+    load: Callable[[Daemon, int, int], Load | Bursts | None]  # (daemon, max_model_len, max_num_seqs)
     profile: dict = field(default_factory=dict)  # [profiles.realtime] overrides
 
 
@@ -164,6 +208,7 @@ SCENARIOS = (
     Scenario("max_num_seqs", (), full_batch),
     Scenario("kv sawtooth", ("--num-gpu-blocks-override", str(KV_BLOCKS)), sawtooth, {"max_model_len": SAWTOOTH_MAX_MODEL_LEN}),
     Scenario("idle", (), lambda d, m, s: None),
+    Scenario("idle bursts", (), lambda d, m, s: Bursts(d.url, d.model)),
 )
 
 
@@ -287,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--step-tokens", type=int, default=STEP_TOKENS, help=f"vLLM's --max-num-batched-tokens (default {STEP_TOKENS}; 0: vLLM's own)")
     cli.add_argument("--scenario", choices=[s.name for s in SCENARIOS], action="append", help="run only this one (repeatable)")
     args = cli.parse_args(argv)
+    benchlib.exit_on_sigterm()
     if not benchlib.long_enabled():
-        print(f"bench_false_restarts skipped: 4 runs of {args.minutes:g} min on the real vLLM; set {benchlib.LONG_ENV}=1 to run it")
+        print(f"bench_false_restarts skipped: {len(SCENARIOS)} runs of {args.minutes:g} min on the real vLLM; set {benchlib.LONG_ENV}=1 to run it")
         return 0
     missing = benchlib.real_engine_missing()
     if missing:

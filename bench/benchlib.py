@@ -43,6 +43,22 @@ LONG_ENV = "R3090D_BENCH_LONG"  # "1": run the benchmarks that take minutes or n
 ENGINE_NAMES = ("VLLM::EngineCore", "fake-EngineCore")  # vLLM's core process, and the double's
 
 
+_LIVE: set[Daemon] = set()  # started and not yet cleaned up
+
+
+def exit_on_sigterm() -> None:
+    """On SIGTERM (a `timeout`, a CI cancel) kill every daemon and engine this process started, then exit.
+
+    Scenario threads may be mid-trial, so nothing waits for them."""
+
+    def handler(signum, frame):
+        for d in list(_LIVE):
+            d.kill_now()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def long_enabled() -> bool:
     return os.environ.get(LONG_ENV) == "1"
 
@@ -122,6 +138,7 @@ class Daemon:
             [sys.executable, "-m", "r3090d", "--config", str(self.config_path)],
             stdout=self._log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
+        _LIVE.add(self)
         return self
 
     @property
@@ -201,16 +218,29 @@ class Daemon:
 
     def cleanup(self) -> None:
         self.state()
+        self.engine_groups |= set(children_of(self.pid))
         self.stop()
+        self._kill_engine_groups(quiet=False)
+        _LIVE.discard(self)
+        if self._log is not None:
+            self._log.close()
+
+    def kill_now(self) -> None:
+        """SIGKILL the daemon and every engine group it was seen to own (its engine runs in a session of its own)."""
+        self.engine_groups |= set(children_of(self.pid))
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self._kill_engine_groups(quiet=True)
+
+    def _kill_engine_groups(self, quiet: bool) -> None:
         for pgid in self.engine_groups:
             if group_members(pgid):
-                say(f"killing engine group {pgid}, left behind")
+                if not quiet:
+                    say(f"killing engine group {pgid}, left behind")
                 try:
                     os.killpg(pgid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        if self._log is not None:
-            self._log.close()
 
 
 def group_members(pgid: int) -> list[int]:
@@ -225,6 +255,21 @@ def group_members(pgid: int) -> list[int]:
             continue
         fields = stat[stat.rfind(b")") + 2 :].split(b" ", 3)
         if len(fields) >= 3 and fields[0] not in (b"Z", b"X") and int(fields[2]) == pgid:
+            out.append(int(name))
+    return out
+
+
+def children_of(parent: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        if int(stat[stat.rfind(b")") + 2 :].split(b" ", 2)[1]) == parent:
             out.append(int(name))
     return out
 

@@ -16,7 +16,8 @@ import click
 
 from r3090d import exitcodes
 from r3090d.cli.common import config_option, ctl, emit_json, instance_option, load_config
-from r3090d.effectors import alerts
+from r3090d.effectors.alertformat import AlertContext
+from r3090d.effectors.channels import CHANNEL_KINDS, build_channels, channel_kind, make_test_alert, send_once
 
 
 @ctl.group("alerts")
@@ -30,7 +31,7 @@ def alerts_group() -> None:
 @click.option(
     "--channel",
     "only",
-    type=click.Choice(list(alerts.CHANNEL_KINDS)),
+    type=click.Choice(list(CHANNEL_KINDS)),
     multiple=True,
     help="test only this channel, even if it is disabled in the config (repeatable)",
 )
@@ -40,12 +41,12 @@ def test(config_path, instance, only, as_json) -> int:
     # The engine's python and model need not exist to test alerting; the SMTP
     # password is still read, from its file or systemd credential.
     cfg = load_config(config_path, instance, check_files=False)
-    context = alerts.AlertContext.from_config(cfg)
-    channels = alerts.build_channels(
+    context = AlertContext.from_config(cfg)
+    channels = build_channels(
         cfg.alerts, hostname=context.hostname, source=cfg.source, include_disabled=only
     )
     if only:
-        channels = [ch for ch in channels if alerts.channel_kind(ch) in only]
+        channels = [ch for ch in channels if channel_kind(ch) in only]
     if not channels:
         if as_json:
             emit_json({"channels": [], "ok": False, "problem": "no alert channel is enabled"})
@@ -55,12 +56,12 @@ def test(config_path, instance, only, as_json) -> int:
                 "(set alerts.syslog.enabled, alerts.email.enabled or alerts.alertmanager.enabled)"
             )
         return exitcodes.UNKNOWN
-    raised = alerts.make_test_alert(context)
+    raised = make_test_alert(context)
     results = []
     for channel in channels:
         if not as_json:
             click.echo(f"{channel.name} -> {channel.target}: sending test alert ... ", nl=False)
-        result = alerts.send_once(channel, raised)
+        result = send_once(channel, raised)
         results.append(result)
         if not as_json:
             outcome = "ok" if result.ok else "error"

@@ -24,7 +24,7 @@ def config_group() -> None:
 def check(config_path, instance, as_json) -> int:
     """Validate the config; print it (secrets redacted) and the vLLM command line."""
     cfg = load_config(config_path, instance)
-    from r3090d.effectors.alerts import check_config as check_alerts
+    from r3090d.effectors.channels import check_config as check_alerts
 
     check_alerts(cfg)  # syslog facility and address, SMTP password file
     try:

@@ -15,19 +15,19 @@ from r3090d import exitcodes
 from r3090d.cli.common import UsageExit, config_option, ctl, emit_json, instance_option, load_config
 from r3090d.config import ConfigError
 from r3090d.core.vocabulary import Phase
-from r3090d.service import control, statusview
+from r3090d.service import control_client, control_protocol, statusview
 from r3090d.service.report import StateDocument, UnreadableFormat, view
 
 REQUEST_TIMEOUT_S = 15.0
-RELOAD_TIMEOUT_S = control.RELOAD_TIMEOUT_S + 5.0
+RELOAD_TIMEOUT_S = control_protocol.RELOAD_TIMEOUT_S + 5.0
 LOST_AFTER_S = 15.0  # --wait: the daemon stopped answering for this long
 
 
 def ask(cfg, payload: dict, timeout: float = REQUEST_TIMEOUT_S) -> dict:
     """The daemon's reply, or a click exception with one line and exit 1."""
     try:
-        return control.request(cfg.daemon.runtime_dir, payload, timeout)
-    except control.ClientError as exc:
+        return control_client.request(cfg.daemon.runtime_dir, payload, timeout)
+    except control_client.ClientError as exc:
         raise _Failed(str(exc)) from None
 
 
@@ -85,8 +85,8 @@ def restart_command(drain, wait, timeout, as_json, config_path, instance) -> int
 
 def _status(cfg) -> dict | None:
     try:
-        reply = control.request(cfg.daemon.runtime_dir, {"cmd": "status"}, 5.0)
-    except control.ClientError:
+        reply = control_client.request(cfg.daemon.runtime_dir, {"cmd": "status"}, 5.0)
+    except control_client.ClientError:
         return None
     return reply.get("state") if reply.get("ok") else None
 
@@ -157,13 +157,13 @@ def maintenance_command(mode, as_json, config_path, instance) -> int:
 @instance_option
 def silence_command(alert, duration, as_json, config_path, instance) -> int:
     """Stop notifications for ALERT for DURATION (30m, 2h, 1h30m, 1d); it is still tracked and shown."""
-    if not control.ALERT_KEY.fullmatch(alert):
+    if not control_protocol.ALERT_KEY.fullmatch(alert):
         raise UsageExit(f"{alert!r} is not an alert name (letters, digits, _ . : -); see r3090ctl status")
     try:
         seconds = statusview.parse_duration(duration)
     except ValueError as exc:
         raise UsageExit(str(exc)) from None
-    if seconds > control.MAX_SILENCE_S:
+    if seconds > control_protocol.MAX_SILENCE_S:
         raise UsageExit(f"{duration} is longer than the 30 days a silence may last")
     cfg = load_config(config_path, instance, check_files=False)
     reply = ask(cfg, {"cmd": "silence", "alert": alert, "seconds": seconds})

@@ -31,7 +31,7 @@ from r3090d.cli.common import (
     reader_gone,
 )
 from r3090d.config import ConfigError
-from r3090d.service import control, statusview
+from r3090d.service import control_client, statusview
 from r3090d.service.exporter import stale_after
 from r3090d.service.report import StateDocument, UnreadableFormat, view
 from r3090d.service.state import STATE_FILE
@@ -93,11 +93,11 @@ def locate(cfg, timeout: float = STATUS_TIMEOUT_S) -> Located:
     dc = cfg.daemon
     state_path = str(Path(dc.state_dir) / STATE_FILE)
     try:
-        reply = control.request(dc.runtime_dir, {"cmd": "status"}, timeout)
+        reply = control_client.request(dc.runtime_dir, {"cmd": "status"}, timeout)
         if reply.get("ok"):
             return located(True, reply.get("state"), "socket", reply.get("message"), state_path)
         socket_note = f"the control socket answered: {reply.get('error')}"
-    except control.ClientError as exc:
+    except control_client.ClientError as exc:
         socket_note = exc.detail
     doc, problem = read_state(dc.state_dir)
     if doc is None:

@@ -25,7 +25,7 @@ from r3090d import exitcodes
 from r3090d.cli.common import config_option, ctl, emit_json, instance_option, load_config
 from r3090d.cli.control_cmd import LOST_AFTER_S, ask, wait_ready
 from r3090d.core.suspension import Result
-from r3090d.service import control
+from r3090d.service import control_client
 
 MIB = 1024 * 1024
 EXIT_UNAVAILABLE = exitcodes.PREFLIGHT_PERMANENT  # 69, EX_UNAVAILABLE: this host or config cannot suspend
@@ -37,8 +37,8 @@ CODES = {Result.SUSPENDED: exitcodes.OK, Result.RESUMED: exitcodes.OK, Result.ST
 def _status(cfg) -> dict | None:
     """The daemon's state document, or None when it does not answer."""
     try:
-        reply = control.request(cfg.daemon.runtime_dir, {"cmd": "status"}, 5.0)
-    except control.ClientError:
+        reply = control_client.request(cfg.daemon.runtime_dir, {"cmd": "status"}, 5.0)
+    except control_client.ClientError:
         return None
     return reply.get("state") if reply.get("ok") else None
 

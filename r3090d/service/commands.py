@@ -1,8 +1,8 @@
 """What the control plane asks of the loop, and what a reload loads and applies.
 
-The control server validates each request (control.validate) in its own thread
-and queues it; the loop answers it here, between ticks, so that every change of
-state happens in one thread. Requests that change the policy's state (restart,
+The control server validates each request (control_protocol.validate) in its
+own thread and queues it; the loop answers it here, between ticks, so that
+every change of state happens in one thread. Requests that change the policy's state (restart,
 maintenance, silence, suspend, resume) are not applied here: they wait in
 `Pending` and go through decide() with the next snapshot, on the policy's own clock.
 

@@ -1,11 +1,9 @@
-"""The control socket: newline-delimited JSON over a unix socket in runtime_dir.
+"""The control socket's server; the protocol is r3090d.service.control_protocol.
 
-One request per line, one reply per request, both JSON objects. Replies are
-{"ok": true, ...} or {"ok": false, "error": "..."}. "status" is answered from
-the daemon's latest state document right here, in the server thread, so it
-keeps answering while the loop is busy; every other command is handed to the
-loop (Daemon.submit_control) and its reply awaited with a timeout, so all
-changes of state still happen in the loop's one thread.
+"status" is answered from the daemon's latest state document right here, in
+the server thread, so it keeps answering while the loop is busy; every other
+command is handed to the loop (Daemon.submit_control) and its reply awaited
+with a timeout, so all changes of state still happen in the loop's one thread.
 
 Access is the socket file's: mode 0660, group = the daemon's own group, in a
 directory systemd's RuntimeDirectory= makes. Neither the server nor the client
@@ -26,13 +24,10 @@ server thread.
 from __future__ import annotations
 
 import errno
-import grp
 import json
 import logging
-import math
 import os
 import queue
-import re
 import selectors
 import socket
 import stat
@@ -43,76 +38,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from r3090d.service import safedir
+from r3090d.service.control_protocol import (
+    LOOP_TIMEOUT_S,
+    RELOAD_TIMEOUT_S,
+    RUNTIME_DIR_KEY,
+    SOCKET_NAME,
+    encode,
+    error,
+    group_name,
+    socket_path,
+    validate,
+)
 
 log = logging.getLogger("r3090d.service.control")
 
-SOCKET_NAME = "control.sock"
-RUNTIME_DIR_KEY = "daemon.runtime_dir"
 SOCKET_MODE = 0o660
 MAX_REQUEST_BYTES = 64 * 1024  # a request line longer than this is refused and the connection closed
-MAX_REPLY_BYTES = 16 * 1024 * 1024  # what the client accepts
 MAX_PENDING_OUTPUT = 4 * 1024 * 1024  # a client that does not read its replies is dropped past this
 MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 5.0  # to send a (complete) request, and to read a reply
-LOOP_TIMEOUT_S = 10.0  # the loop's answer to a command
-RELOAD_TIMEOUT_S = 45.0  # reload asks the engine's python for its vLLM version (up to 30 s)
-MAX_SILENCE_S = 30 * 86400
-ALERT_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the trailing NUL
-
-COMMANDS = {
-    # cmd -> {field: (required, checker, what it must be)}
-    "status": {},
-    "restart": {"drain": (False, lambda v: isinstance(v, bool), "true or false")},
-    "maintenance": {"on": (True, lambda v: isinstance(v, bool), "true or false")},
-    "silence": {
-        "alert": (True, lambda v: isinstance(v, str) and ALERT_KEY.fullmatch(v) is not None, "an alert name (letters, digits, _ . : -; at most 64)"),
-        "seconds": (
-            True,
-            lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and 1 <= v <= MAX_SILENCE_S,
-            f"a number of seconds from 1 to {MAX_SILENCE_S}",
-        ),
-    },
-    "reload": {},
-    # Answered at once ("accepted" and a request number); the work runs over many ticks.
-    "suspend": {},
-    "resume": {},
-}
-
-
-def socket_path(runtime_dir: str | Path) -> Path:
-    return Path(runtime_dir) / SOCKET_NAME
-
-
-def validate(request) -> str | None:
-    """None if `request` is a well-formed command, else what is wrong with it (pure)."""
-    if not isinstance(request, dict):
-        return f"a request is a JSON object, not {type(request).__name__}"
-    cmd = request.get("cmd")
-    if not isinstance(cmd, str):
-        return 'missing "cmd" (one of: ' + ", ".join(COMMANDS) + ")"
-    if cmd not in COMMANDS:
-        return f"unknown command {cmd[:40]!r}; known: {', '.join(COMMANDS)}"
-    spec = COMMANDS[cmd]
-    for key in request:
-        if key != "cmd" and key not in spec:
-            return f"{cmd}: unknown field {str(key)[:40]!r}" + (f"; known: {', '.join(spec)}" if spec else "; it takes none")
-    for key, (required, check, what) in spec.items():
-        if key not in request:
-            if required:
-                return f"{cmd}: missing {key!r} ({what})"
-            continue
-        if not check(request[key]):
-            return f"{cmd}: {key!r} must be {what}"
-    return None
-
-
-def encode(reply: dict) -> bytes:
-    return json.dumps(reply, separators=(",", ":"), default=str).encode() + b"\n"
-
-
-def error(text: str) -> dict:
-    return {"ok": False, "error": text}
 
 
 # ------------------------------------------------------------------ server
@@ -207,7 +152,7 @@ class ControlServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread = threading.Thread(target=self._serve, name="control", daemon=True)
         self._thread.start()
-        log.info("control socket %s (mode %o, group %s)", path, SOCKET_MODE, _group_name(self._gid))
+        log.info("control socket %s (mode %o, group %s)", path, SOCKET_MODE, group_name(self._gid))
         return self
 
     @staticmethod
@@ -499,97 +444,6 @@ def _peer(sock: socket.socket) -> str:
         return f"uid {uid} pid {pid}"
     except OSError:
         return "unknown peer"
-
-
-def _group_name(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
-
-
-# ------------------------------------------------------------------ client
-
-
-class ClientError(Exception):
-    """The daemon could not be asked; str() is one line for the user, `detail` what happened to the socket."""
-
-    def __init__(self, message: str, detail: str | None = None):
-        super().__init__(message)
-        self.detail = detail or message
-
-
-class DaemonNotRunning(ClientError):
-    pass
-
-
-class ControlPermissionError(ClientError):
-    pass
-
-
-class ControlTimeout(ClientError):
-    pass
-
-
-class UnsafeRuntimeDir(ClientError):
-    """Others could have replaced the socket: what answers there is not to be believed."""
-
-
-def request(runtime_dir: str | Path, payload: dict, timeout: float = 15.0) -> dict:
-    """Send one request, return the daemon's reply (a dict). Raises ClientError."""
-    path = socket_path(runtime_dir)
-    try:
-        safedir.check(path.parent, RUNTIME_DIR_KEY, owners=None)
-    except safedir.UnsafeDirectory as exc:
-        raise UnsafeRuntimeDir(str(exc)) from None
-    deadline = time.monotonic() + timeout
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
-        try:
-            sock.connect(str(path))
-        except FileNotFoundError:
-            raise DaemonNotRunning(f"r3090d is not running (no control socket at {path})", f"no control socket at {path}") from None
-        except ConnectionRefusedError:
-            raise DaemonNotRunning(f"r3090d is not running (nothing listens on {path})", f"nothing listens on {path}") from None
-        except PermissionError:
-            raise ControlPermissionError(f"permission denied on {path}: {_access_hint(path)}") from None
-        except TimeoutError:
-            raise ControlTimeout(f"r3090d did not accept a connection on {path} within {timeout:.0f} s") from None
-        except OSError as exc:
-            raise ClientError(f"cannot connect to {path}: {exc.strerror or exc}") from None
-        try:
-            sock.sendall(json.dumps(payload).encode() + b"\n")
-            buf = bytearray()
-            while b"\n" not in buf:
-                sock.settimeout(max(0.01, deadline - time.monotonic()))
-                chunk = sock.recv(65536)
-                if not chunk:
-                    raise ClientError(f"r3090d closed the control connection without an answer ({path})")
-                buf += chunk
-                if len(buf) > MAX_REPLY_BYTES:
-                    raise ClientError(f"r3090d's answer is larger than {MAX_REPLY_BYTES} bytes")
-        except TimeoutError:
-            raise ControlTimeout(f"r3090d did not answer within {timeout:.0f} s ({path})") from None
-        except (BrokenPipeError, ConnectionResetError):
-            raise ClientError(f"r3090d closed the control connection ({path})") from None
-    finally:
-        sock.close()
-    try:
-        reply = json.loads(buf[: buf.index(b"\n")].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise ClientError("r3090d's answer is not JSON") from None
-    if not isinstance(reply, dict):
-        raise ClientError("r3090d's answer is not a JSON object")
-    return reply
-
-
-def _access_hint(path: Path) -> str:
-    try:
-        gid = os.stat(path).st_gid
-    except OSError:
-        return "run as root or as a member of the daemon's group"
-    return f"run as root or as a member of group {_group_name(gid)!r}"
 
 
 # ------------------------------------------------------------------ wiring

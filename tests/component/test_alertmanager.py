@@ -33,7 +33,8 @@ import yaml
 from r3090d import exitcodes
 from r3090d.config import AlertmanagerConfig, AlertsConfig, SyslogConfig
 from r3090d.core.actions import SendAlert
-from r3090d.effectors.alerts import AlertContext, AlertDispatcher
+from r3090d.effectors.alertformat import AlertContext
+from r3090d.effectors.alerts import AlertDispatcher
 
 pytestmark = pytest.mark.component
 

@@ -34,8 +34,9 @@ from aiosmtpd.smtp import AuthResult, LoginPassword
 from r3090d import exitcodes
 from r3090d.config import AlertsConfig, Config, ConfigError, EmailConfig, GpuConfig, SyslogConfig
 from r3090d.core.actions import SendAlert
-from r3090d.effectors import alerts
-from r3090d.effectors.alerts import AlertContext, AlertDispatcher
+from r3090d.effectors import channels
+from r3090d.effectors.alertformat import AlertContext
+from r3090d.effectors.alerts import AlertDispatcher
 from tests.daemon_harness import bind_unix_dgram
 
 pytestmark = [
@@ -285,8 +286,8 @@ def test_login_with_password_from_systemd_credential(tmp_path):
 def test_a_server_that_requires_auth_rejects_an_anonymous_sender():
     checker = password_checker(USER, PASSWORD)
     with smtp_server(authenticator=checker, auth_required=True, auth_require_tls=False) as (server, recorder):
-        channel = alerts.EmailChannel(email_config(server.port).email, password=None, helo_name="testhost")
-        result = alerts.send_once(channel, alerts.make_test_alert(CTX))
+        channel = channels.EmailChannel(email_config(server.port).email, password=None, helo_name="testhost")
+        result = channels.send_once(channel, channels.make_test_alert(CTX))
         assert recorder.messages == []
     assert not result.ok
     assert result.detail.startswith("send: ") and "530" in result.detail
@@ -305,8 +306,8 @@ def test_wrong_password_is_dropped_after_max_attempts_and_never_logged(tmp_path,
             assert dispatcher.flush(10)
             assert dispatcher.status()["email"]["dropped"] == 1
         assert recorder.messages == []
-        channel = alerts.build_channels(cfg, hostname="testhost", environ={})[0]
-        result = alerts.send_once(channel, alerts.make_test_alert(CTX))
+        channel = channels.build_channels(cfg, hostname="testhost", environ={})[0]
+        result = channels.send_once(channel, channels.make_test_alert(CTX))
     logged = own_log_text(caplog)
     assert "dropped alert gpu_memory FIRING (warning): 2 attempts failed" in logged
     # The server echoed the password and its AUTH PLAIN form; both were scrubbed.
@@ -416,8 +417,8 @@ def test_starttls_upgrades_before_login(tls_files, password_file, monkeypatch):
         auth_required=True,
     ) as (server, recorder):
         cfg = email_config(server.port, security="starttls", username=USER, password_file=str(password_file))
-        channel = alerts.build_channels(cfg, hostname="testhost", environ={})[0]
-        result = alerts.send_once(channel, alerts.make_test_alert(CTX))
+        channel = channels.build_channels(cfg, hostname="testhost", environ={})[0]
+        result = channels.send_once(channel, channels.make_test_alert(CTX))
         (got,) = recorder.wait_for(1, 5)
     assert result.ok, result.detail
     assert got.tls and got.login == USER
@@ -431,10 +432,10 @@ def test_an_untrusted_certificate_is_refused(tls_files, monkeypatch):
     monkeypatch.setenv("SSL_CERT_FILE", os.devnull)
     monkeypatch.setenv("SSL_CERT_DIR", os.devnull)
     with smtp_server(ssl_context=server_tls_context(tls_files)) as (server, recorder):
-        channel = alerts.build_channels(
+        channel = channels.build_channels(
             email_config(server.port, security="ssl"), hostname="testhost", environ={}
         )[0]
-        result = alerts.send_once(channel, alerts.make_test_alert(CTX))
+        result = channels.send_once(channel, channels.make_test_alert(CTX))
         assert recorder.messages == []
     assert not result.ok
     assert result.detail.startswith("connect: TLS certificate not trusted")
@@ -442,10 +443,10 @@ def test_an_untrusted_certificate_is_refused(tls_files, monkeypatch):
 
 def test_starttls_against_a_server_without_it_is_an_error_not_a_plain_send():
     with smtp_server() as (server, recorder):
-        channel = alerts.build_channels(
+        channel = channels.build_channels(
             email_config(server.port, security="starttls"), hostname="testhost", environ={}
         )[0]
-        result = alerts.send_once(channel, alerts.make_test_alert(CTX))
+        result = channels.send_once(channel, channels.make_test_alert(CTX))
         assert recorder.messages == []
     assert not result.ok
     assert result.detail.startswith("STARTTLS: server does not support it")

@@ -12,7 +12,8 @@ import pytest
 
 from r3090d.config import AlertsConfig, Config, EmailConfig, GpuConfig, SyslogConfig
 from r3090d.core.actions import SendAlert
-from r3090d.effectors.alerts import MAX_SYSLOG_TEXT, AlertContext, AlertDispatcher
+from r3090d.effectors.alertformat import MAX_SYSLOG_TEXT, AlertContext
+from r3090d.effectors.alerts import AlertDispatcher
 from tests.daemon_harness import bind_unix_dgram
 
 pytestmark = pytest.mark.component

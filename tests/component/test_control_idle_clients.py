@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from r3090d.service import control
+from r3090d.service import control, control_client
 from tests.ctl_harness import wait_until
 
 pytestmark = pytest.mark.component
@@ -75,9 +75,9 @@ def test_64_idle_connections_do_not_turn_40_requests_away(rundir, server):
         t0 = time.monotonic()
         for _ in range(40):
             try:
-                rep = control.request(rundir, {"cmd": "status"}, 5.0)
+                rep = control_client.request(rundir, {"cmd": "status"}, 5.0)
                 outcomes.append("ok" if rep.get("ok") and rep["state"] == STATE else str(rep)[:100])
-            except control.ClientError as exc:
+            except control_client.ClientError as exc:
                 outcomes.append(str(exc))
         took = time.monotonic() - t0
         closed = []
@@ -110,13 +110,13 @@ def test_busy_applies_only_when_every_connection_is_being_served(rundir, server,
         for s in served:
             s.sendall(b'{"cmd": "restart"}\n')  # the loop holds each one unanswered
         wait_until(lambda: len(loop.held) == len(served), 10, what="every restart handed to the loop")
-        rep = control.request(rundir, {"cmd": "status"}, 5.0)
+        rep = control_client.request(rundir, {"cmd": "status"}, 5.0)
         assert rep["ok"] is False and rep["error"].startswith("busy:"), rep
         loop.answer_all()
         replies = [json.loads(s.recv(4096).splitlines()[0]) for s in served]
         assert all(r == {"ok": True} for r in replies), replies[:3]
         # Served and answered, those connections are idle now: they no longer count.
-        rep = control.request(rundir, {"cmd": "status"}, 5.0)
+        rep = control_client.request(rundir, {"cmd": "status"}, 5.0)
         assert rep["ok"] is True and rep["state"] == STATE
     finally:
         for s in served:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from r3090d.service import control
+from r3090d.service import control, control_client, control_protocol
 from tests.ctl_harness import wait_until
 
 pytestmark = pytest.mark.component
@@ -63,7 +63,7 @@ def test_socket_file_mode_group_and_a_daemon_that_keeps_answering_through_1000_m
     d = make_daemon(exporter=False, watchdog={"poll_interval": 0.2})
     d.start()
     d.wait_ready()
-    path = control.socket_path(d.runtime_dir)
+    path = control_protocol.socket_path(d.runtime_dir)
     st = os.stat(path)
     assert stat.S_ISSOCK(st.st_mode)
     assert stat.S_IMODE(st.st_mode) == 0o660
@@ -123,10 +123,10 @@ def test_socket_file_mode_group_and_a_daemon_that_keeps_answering_through_1000_m
         while not stop.is_set():
             t0 = time.monotonic()
             try:
-                rep = control.request(d.runtime_dir, {"cmd": "status"}, 5.0)
+                rep = control_client.request(d.runtime_dir, {"cmd": "status"}, 5.0)
                 if not rep.get("ok") or rep["state"]["engine"]["phase"] != "ready":
                     status_failures.append(str(rep)[:200])
-            except control.ClientError as exc:
+            except control_client.ClientError as exc:
                 status_failures.append(str(exc))
             status_latencies.append(time.monotonic() - t0)
             status_times.append(t0)
@@ -178,7 +178,7 @@ def test_pipelined_requests_get_one_reply_each_in_order(make_daemon):
     d = make_daemon(exporter=False)
     d.start()
     d.wait_ready()
-    path = control.socket_path(d.runtime_dir)
+    path = control_protocol.socket_path(d.runtime_dir)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(10)
         s.connect(str(path))
@@ -200,7 +200,7 @@ def test_idle_connections_at_the_cap_make_room_for_a_request(make_daemon):
     d = make_daemon(exporter=False)
     d.start()
     d.wait_ready()
-    path = control.socket_path(d.runtime_dir)
+    path = control_protocol.socket_path(d.runtime_dir)
     held = []
     for _ in range(control.MAX_CONNECTIONS):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -242,10 +242,10 @@ def _ensure_users(request) -> None:
 
 
 CLIENT = (
-    "import json, sys; sys.path.insert(0, sys.argv[1]); from r3090d.service import control\n"
+    "import json, sys; sys.path.insert(0, sys.argv[1]); from r3090d.service import control_client\n"
     "try:\n"
-    "    print(json.dumps(control.request(sys.argv[2], {'cmd': 'status'}, 10)))\n"
-    "except control.ClientError as exc:\n"
+    "    print(json.dumps(control_client.request(sys.argv[2], {'cmd': 'status'}, 10)))\n"
+    "except control_client.ClientError as exc:\n"
     "    print(type(exc).__name__ + ': ' + str(exc)); sys.exit(3)\n"
 )
 
@@ -259,7 +259,7 @@ def test_a_user_outside_the_daemons_group_is_refused_and_a_member_is_served(requ
     os.chmod(d.runtime_dir, 0o755)  # only the socket's own mode guards it here
     d.start(prefix=["setpriv", f"--regid={gid}", "--clear-groups"])
     d.wait_ready()
-    path = control.socket_path(d.runtime_dir)
+    path = control_protocol.socket_path(d.runtime_dir)
     st = os.stat(path)
     assert st.st_gid == gid and stat.S_IMODE(st.st_mode) == 0o660
 

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from r3090d import exitcodes
-from r3090d.service import control
+from r3090d.service import control_client
 from tests.ctl_harness import CTL, ctl, ctl_json, wait_until
 
 pytestmark = pytest.mark.component
@@ -181,10 +181,10 @@ def test_status_follows_start_kv_restart_backoff_maintenance_reload_and_give_up(
     out = ctl(d.config, "reload")
     assert out.returncode == exitcodes.CONFIG and "not sent, the config is invalid" in out.stderr and "TOML syntax error" in out.stderr, out
     # Sent anyway (as SIGHUP would): the daemon refuses it.
-    reply = control.request(d.runtime_dir, {"cmd": "reload"}, 60)
+    reply = control_client.request(d.runtime_dir, {"cmd": "reload"}, 60)
     assert reply["ok"] is False and reply["error"].startswith("refused, the running config stays") and "TOML syntax error" in reply["error"]
     d.config.write_text(good.replace("kv_low_polls = 3", "kv_low_polls = -1"))
-    reply = control.request(d.runtime_dir, {"cmd": "reload"}, 60)
+    reply = control_client.request(d.runtime_dir, {"cmd": "reload"}, 60)
     assert reply["ok"] is False and "watchdog.kv_low_polls" in reply["error"]
     # Valid for the CLI, but the daemon checks files too: a model that does not exist.
     d.config.write_text(good.replace(str(d.dir / "model"), str(d.dir / "no-such-model")))
@@ -193,7 +193,7 @@ def test_status_follows_start_kv_restart_backoff_maintenance_reload_and_give_up(
     # Another engine python (this one has no vLLM): refused at once, without asking it anything.
     d.config.write_text(good.replace(d.sections["engine"]["python"], sys.executable))
     assert sys.executable in d.config.read_text()
-    reply = control.request(d.runtime_dir, {"cmd": "reload"}, 60)
+    reply = control_client.request(d.runtime_dir, {"cmd": "reload"}, 60)
     assert reply["ok"] is False and "engine.python" in reply["error"] and "restart the daemon" in reply["error"], reply
     d.config.write_text(good)
     assert d.proc.proc.poll() is None
@@ -300,8 +300,8 @@ def test_status_follows_start_kv_restart_backoff_maintenance_reload_and_give_up(
 
 def _phase(d) -> str | None:
     try:
-        reply = control.request(d.runtime_dir, {"cmd": "status"}, 1.0)
-    except control.ClientError:
+        reply = control_client.request(d.runtime_dir, {"cmd": "status"}, 1.0)
+    except control_client.ClientError:
         return None
     return ((reply.get("state") or {}).get("engine") or {}).get("phase")
 

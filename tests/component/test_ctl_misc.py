@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from r3090d import exitcodes
-from r3090d.service import control
+from r3090d.service import control_client, control_protocol
 from tests.ctl_harness import CTL, ctl, ctl_json, engine_config, wait_until, write_config
 
 pytestmark = pytest.mark.component
@@ -25,8 +25,8 @@ def test_instance_is_addressed_by_its_own_socket_and_state(make_daemon):
 
     def phase():
         try:
-            return control.request(inst_run, {"cmd": "status"}, 2.0)["state"]["engine"]["phase"]
-        except (control.ClientError, TypeError, KeyError):
+            return control_client.request(inst_run, {"cmd": "status"}, 2.0)["state"]["engine"]["phase"]
+        except (control_client.ClientError, TypeError, KeyError):
             return None
 
     wait_until(lambda: phase() == "ready", 30, what="instance 1 ready")
@@ -66,7 +66,7 @@ def test_lost_socket_falls_back_to_the_state_file_and_a_killed_daemon_is_unknown
     d = make_daemon(exporter=False)
     d.start()
     st = d.wait_ready()
-    sock = control.socket_path(d.runtime_dir)
+    sock = control_protocol.socket_path(d.runtime_dir)
     sock.unlink()  # someone cleaned /run by hand
     rc, out = ctl_json(d.config, "status")
     assert rc == exitcodes.OK and out["running"] is True and out["source"] == "state-file"
@@ -97,7 +97,7 @@ def test_history_shows_one_record_in_full(make_daemon):
     d.start()
     old = d.wait_ready()["engine"]["pid"]
     assert ctl(d.config, "history").stdout.startswith("no restarts recorded in ")
-    assert control.request(d.runtime_dir, {"cmd": "restart"})["ok"]
+    assert control_client.request(d.runtime_dir, {"cmd": "restart"})["ok"]
     d.wait_ready(old_pid=old)
     wait_until(lambda: json.loads(ctl(d.config, "history", "--json").stdout)[0]["ready_after_s"] is not None, 10, interval=0.2, what="ready_after_s")
     out = ctl(d.config, "history", "1")

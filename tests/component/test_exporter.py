@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from r3090d.core.vocabulary import Phase, RestartReason
 from r3090d.probes.nvml import clock_reason_table, load_pynvml
-from r3090d.service import control, exporter
+from r3090d.service import control_client, exporter
 from tests.daemon_harness import wait_until
 
 pytestmark = pytest.mark.component
@@ -63,7 +63,7 @@ def test_metrics_scrape_parses_and_matches_the_engine(make_daemon):
     assert m[("r3090d_restarts_total", (("reason", "requested"),))] == 0
     wait_until(lambda: scrape(d)[1][("r3090d_poll_duration_seconds_count", ())] > ticks, 10, what="the next tick observed")  # every tick is counted
 
-    assert control.request(d.runtime_dir, {"cmd": "restart", "drain": False})["ok"]
+    assert control_client.request(d.runtime_dir, {"cmd": "restart", "drain": False})["ok"]
     d.wait_ready(old_pid=st["engine"]["pid"])
     r, m = scrape(d, accept="application/openmetrics-text; version=1.0.0")
     assert r.headers["content-type"].startswith("application/openmetrics-text")
@@ -113,7 +113,7 @@ def test_healthz_turns_503_before_the_sigterm_and_200_after_ready(make_daemon):
         t.start()
     time.sleep(0.2)
     t_request = time.time()
-    assert control.request(d.runtime_dir, {"cmd": "restart", "drain": True})["ok"]
+    assert control_client.request(d.runtime_dir, {"cmd": "restart", "drain": True})["ok"]
     st = d.wait_ready(timeout=30, old_pid=old)
     time.sleep(0.5)
     stop.set()
@@ -150,7 +150,7 @@ def test_healthz_503_in_maintenance_and_when_disabled_nothing_listens(make_daemo
     d = make_daemon(watchdog={"poll_interval": 0.2})
     d.start()
     d.wait_ready()
-    assert control.request(d.runtime_dir, {"cmd": "maintenance", "on": True})["ok"]
+    assert control_client.request(d.runtime_dir, {"cmd": "maintenance", "on": True})["ok"]
     deadline = time.monotonic() + 5
     while d.healthz()[0] == 200 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -26,7 +26,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from r3090d.service import control, exporter
+from r3090d.service import control_client, exporter
 from tests.daemon_harness import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,7 +136,7 @@ def test_rules_fire_on_scrapes_of_a_real_daemon(make_daemon, tmp_path):
     healthy = _series(d.exporter_url, "gpu0")
 
     # Maintenance, then a KV leak the daemon must not remediate: low free blocks, node out of the balancer.
-    assert control.request(d.runtime_dir, {"cmd": "maintenance", "on": True})["ok"]
+    assert control_client.request(d.runtime_dir, {"cmd": "maintenance", "on": True})["ok"]
     d.fake("POST", "/fake/control", json={"metrics": "leak", "kv_usage": 0.999})
     deadline = time.monotonic() + 10
     while not ((d.state()["metrics"].get("free_blocks") or 1e9) < 100 and d.state()["engine"]["maintenance"]) and time.monotonic() < deadline:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from r3090d.service import control
+from r3090d.service import control_client
 from tests.daemon_harness import free_port
 
 pytestmark = pytest.mark.component
@@ -218,7 +218,7 @@ def test_every_grafana_panel_gets_data_from_a_scraped_daemon(make_daemon, promet
     # A restart, so the restart panels (increase over the last minute) have one to show; after a
     # scrape that saw none, or Prometheus would take the counter's first sample for its start.
     prom.wait(lambda: prom.value('r3090d_restarts_total{reason="requested"}') == 0, 30, "a scrape of the ready daemon")
-    assert control.request(d.runtime_dir, {"cmd": "restart", "drain": False})["ok"]
+    assert control_client.request(d.runtime_dir, {"cmd": "restart", "drain": False})["ok"]
     d.wait_ready(old_pid=first["engine"]["pid"])
     d.fake("POST", "/fake/control", json={"metrics_values": {"running": 2, "waiting": 1, "kv_cache_usage_perc": 0.5}})
 

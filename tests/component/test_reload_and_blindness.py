@@ -10,7 +10,7 @@ import time
 import pytest
 
 from r3090d import exitcodes
-from r3090d.service import control
+from r3090d.service import control_client
 from tests.ctl_harness import ctl, ctl_json, wait_until
 
 pytestmark = pytest.mark.component
@@ -43,7 +43,7 @@ def test_a_failing_reload_keeps_the_engine_and_answers_at_once(make_daemon, case
     try:
         # Through the control socket (what `r3090ctl reload` sends): refused in one line, at once.
         t0 = time.monotonic()
-        reply = control.request(d.runtime_dir, {"cmd": "reload"}, 10)
+        reply = control_client.request(d.runtime_dir, {"cmd": "reload"}, 10)
         took = time.monotonic() - t0
         assert reply["ok"] is False and reply["error"].startswith("refused, the running config stays"), (case, reply)
         assert "\n" not in reply["error"] and "Traceback" not in reply["error"]
@@ -52,7 +52,7 @@ def test_a_failing_reload_keeps_the_engine_and_answers_at_once(make_daemon, case
         os.kill(d.pid, signal.SIGHUP)
         wait_until(lambda: d.log().count("reload refused") >= 2, 10, what="the SIGHUP reload refused")
         assert d.proc.proc.poll() is None, d.log()[-3000:]
-        st = control.request(d.runtime_dir, {"cmd": "status"}, 10)["state"]  # the config file may be gone: ask the daemon
+        st = control_client.request(d.runtime_dir, {"cmd": "status"}, 10)["state"]  # the config file may be gone: ask the daemon
         assert st["engine"]["phase"] == "ready" and st["engine"]["pid"] == pid and st["restarts"]["total"] == 0
         assert "Traceback" not in d.log()
     finally:

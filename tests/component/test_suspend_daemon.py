@@ -162,8 +162,8 @@ def test_suspended_long_reminds_and_the_borrowers_memory_raises_no_gpu_alert(rig
     borrower = subprocess.Popen(["sleep", "300"])
     try:
         r.hold((borrower.pid, 20000))  # over the 18000 MiB alert
-        wait_until(lambda: "alert suspended_long firing" in r.d.log(), BOUND, what="the suspended_long alert")
-        firing = r.d.state()["alerts"]["firing"]
+        st = r.d.proc.wait_for(lambda s: s if "suspended_long" in s["alerts"]["firing"] else None, BOUND, "the suspended_long alert")
+        firing = st["alerts"]["firing"]
         assert "r3090ctl resume brings it back" in firing["suspended_long"]["summary"]
         assert "gpu_memory" not in firing and "alert gpu_memory firing" not in r.d.log()
     finally:

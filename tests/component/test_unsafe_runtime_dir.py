@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from r3090d.service import control
+from r3090d.service import control, control_client, control_protocol
 
 pytestmark = pytest.mark.component
 
@@ -43,7 +43,7 @@ def test_the_server_refuses_a_runtime_dir_others_can_write(rundir, mode):
         start(rundir).stop()
     assert str(exc.value).startswith(f"daemon.runtime_dir {rundir} is writable by ")
     assert str(exc.value).endswith(f"(fix: chmod go-w {rundir})")
-    assert not control.socket_path(rundir).exists()
+    assert not control_protocol.socket_path(rundir).exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
@@ -53,14 +53,14 @@ def test_the_server_refuses_a_runtime_dir_another_user_owns(rundir):
     with pytest.raises(control.ControlError, match=f"daemon.runtime_dir {rundir} belongs to nobody, not to ") as exc:
         start(rundir).stop()
     assert "(fix: chown " in str(exc.value)
-    assert not control.socket_path(rundir).exists()
+    assert not control_protocol.socket_path(rundir).exists()
 
 
 def test_the_server_and_client_work_in_our_own_0755_dir(rundir):
     os.chmod(rundir, 0o755)
     server = start(rundir)
     try:
-        assert control.request(rundir, {"cmd": "status"}, 5.0) == {"ok": True, "state": STATE}
+        assert control_client.request(rundir, {"cmd": "status"}, 5.0) == {"ok": True, "state": STATE}
     finally:
         server.stop()
 
@@ -97,11 +97,11 @@ class FakeDaemon:
 
 @pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770], ids=oct)
 def test_the_client_refuses_a_socket_in_a_runtime_dir_others_can_write(rundir, mode):
-    fake = FakeDaemon(control.socket_path(rundir))
+    fake = FakeDaemon(control_protocol.socket_path(rundir))
     os.chmod(rundir, mode)
     try:
-        with pytest.raises(control.ClientError) as exc:
-            control.request(rundir, {"cmd": "status"}, 5.0)
+        with pytest.raises(control_client.ClientError) as exc:
+            control_client.request(rundir, {"cmd": "status"}, 5.0)
     finally:
         fake.close()
     assert str(exc.value).startswith(f"daemon.runtime_dir {rundir} is writable by ")

@@ -28,13 +28,10 @@ from r3090d.core.snapshot import (
     Snapshot,
 )
 from r3090d.effectors import alertmanager as am
-from r3090d.effectors.alerts import (
-    AlertContext,
-    AlertDispatcher,
-    DeliveryError,
-    RaisedAlert,
-    _ChannelWorker,
-)
+from r3090d.effectors import alertmanager_payload as amp
+from r3090d.effectors.alertformat import AlertContext, RaisedAlert
+from r3090d.effectors.alerts import AlertDispatcher, _ChannelWorker
+from r3090d.effectors.channels import DeliveryError
 
 REPO = Path(__file__).resolve().parents[2]
 CTX = AlertContext(hostname="box", gpu_index=1, gpu_name="NVIDIA GeForce RTX 3090", instance=1)
@@ -50,19 +47,19 @@ def raised(key="kv_pressure", severity="warning", state="firing", summary="KV ca
 
 
 def test_firing_condition_body_has_labels_annotations_start_and_end_four_resends_ahead():
-    post = am.AmPost(
-        am.AmAlert(
+    post = amp.AmPost(
+        amp.AmAlert(
             "gave_up",
-            am.Kind.CONDITION,
-            am.alert_labels("gave_up", "critical", CTX),
-            am.alert_annotations(f"gave up: 2 start failures; root cause: {CAUSE}; the engine stays stopped until r3090ctl restart"),
+            amp.Kind.CONDITION,
+            amp.alert_labels("gave_up", "critical", CTX),
+            amp.alert_annotations(f"gave up: 2 start failures; root cause: {CAUSE}; the engine stays stopped until r3090ctl restart"),
             WALL,
         ),
-        am.PostState.FIRING,
+        amp.PostState.FIRING,
         None,
-        am.firing_ttl(am.Kind.CONDITION, 60.0),
+        amp.firing_ttl(amp.Kind.CONDITION, 60.0),
     )
-    assert am.body(post, WALL + 30) == [
+    assert amp.body(post, WALL + 30) == [
         {
             "labels": {
                 "alertname": "gave_up",
@@ -83,17 +80,17 @@ def test_firing_condition_body_has_labels_annotations_start_and_end_four_resends
 
 
 def test_ends_at_by_kind_and_state():
-    assert am.firing_ttl(am.Kind.CONDITION, 1.0) == 4.0
-    assert am.firing_ttl(am.Kind.EVENT, 1.0) == 300.0
-    assert am.firing_ttl(am.Kind.EXIT, 1.0) == 6 * 3600.0
-    assert am.kind_of("engine_restarted", exit_on_give_up=False) is am.Kind.EVENT
-    assert am.kind_of("preflight_failed", exit_on_give_up=False) is am.Kind.EXIT
-    assert am.kind_of("gave_up", exit_on_give_up=False) is am.Kind.CONDITION
-    assert am.kind_of("gave_up", exit_on_give_up=True) is am.Kind.EXIT
-    event = am.one_off_post(raised("engine_restarted", summary="engine restarting (exited)"))
-    assert am.body(event, WALL + 100)[0]["endsAt"] == "2027-01-15T08:05:00.000Z"  # the event's time + 5 min
-    resolve = am.one_off_post(raised(state="resolved"))
-    assert am.body(resolve, WALL + 100)[0]["endsAt"] == "2027-01-15T08:00:00.000Z"
+    assert amp.firing_ttl(amp.Kind.CONDITION, 1.0) == 4.0
+    assert amp.firing_ttl(amp.Kind.EVENT, 1.0) == 300.0
+    assert amp.firing_ttl(amp.Kind.EXIT, 1.0) == 6 * 3600.0
+    assert amp.kind_of("engine_restarted", exit_on_give_up=False) is amp.Kind.EVENT
+    assert amp.kind_of("preflight_failed", exit_on_give_up=False) is amp.Kind.EXIT
+    assert amp.kind_of("gave_up", exit_on_give_up=False) is amp.Kind.CONDITION
+    assert amp.kind_of("gave_up", exit_on_give_up=True) is amp.Kind.EXIT
+    event = amp.one_off_post(raised("engine_restarted", summary="engine restarting (exited)"))
+    assert amp.body(event, WALL + 100)[0]["endsAt"] == "2027-01-15T08:05:00.000Z"  # the event's time + 5 min
+    resolve = amp.one_off_post(raised(state="resolved"))
+    assert amp.body(resolve, WALL + 100)[0]["endsAt"] == "2027-01-15T08:00:00.000Z"
 
 
 def test_every_event_condition_in_the_package_is_an_event_key():
@@ -108,35 +105,35 @@ def test_every_event_condition_in_the_package_is_an_event_key():
                 assert node.args and isinstance(node.args[0], ast.Constant), f"{path}:{node.lineno}: an event with a computed key"
                 found[node.args[0].value] = f"{path.relative_to(REPO)}:{node.lineno}"
     assert "engine_restarted" in found
-    missing = {key: where for key, where in found.items() if key not in am.EVENT_KEYS}
+    missing = {key: where for key, where in found.items() if key not in amp.EVENT_KEYS}
     assert not missing, f"add these to alertmanager.EVENT_KEYS: {missing}"
 
 
 def test_start_after_end_is_clamped_so_alertmanager_accepts_it():
-    alert = am.AmAlert("k", am.Kind.CONDITION, (("alertname", "k"),), (), WALL + 10)
-    [doc] = am.body(am.AmPost(alert, am.PostState.RESOLVED, WALL, 0.0), WALL)
+    alert = amp.AmAlert("k", amp.Kind.CONDITION, (("alertname", "k"),), (), WALL + 10)
+    [doc] = amp.body(amp.AmPost(alert, amp.PostState.RESOLVED, WALL, 0.0), WALL)
     assert doc["startsAt"] == doc["endsAt"] == "2027-01-15T08:00:00.000Z"
 
 
 def test_labels_keep_only_what_is_known_and_are_one_line():
-    assert am.alert_labels("k", "info", AlertContext(hostname="h")) == (
+    assert amp.alert_labels("k", "info", AlertContext(hostname="h")) == (
         ("alertname", "k"),
         ("alert", "k"),
         ("severity", "info"),
         ("host", "h"),
     )
-    index_only = am.alert_labels("k", "info", AlertContext(hostname="h\nx", gpu_index=0, instance=0))
+    index_only = amp.alert_labels("k", "info", AlertContext(hostname="h\nx", gpu_index=0, instance=0))
     assert dict(index_only) == {"alertname": "k", "alert": "k", "severity": "info", "host": "h x", "gpu": "gpu0", "unit_instance": "0"}
 
 
 def test_description_is_the_detail_and_a_detail_line_names_the_root_cause():
-    annotations = dict(am.alert_annotations("s; root cause: from the summary", "evidence\nroot cause: from the detail\n"))
+    annotations = dict(amp.alert_annotations("s; root cause: from the summary", "evidence\nroot cause: from the detail\n"))
     assert annotations == {
         "summary": "s; root cause: from the summary",
         "root_cause": "from the detail",
         "description": "evidence\nroot cause: from the detail",
     }
-    assert dict(am.alert_annotations("no cause here")) == {"summary": "no cause here"}
+    assert dict(amp.alert_annotations("no cause here")) == {"summary": "no cause here"}
 
 
 def _child(gen, alive=True, cause=None):
@@ -177,7 +174,7 @@ def test_root_cause_is_cut_from_every_summary_the_policy_writes():
     assert "the engine stays stopped" in by_key["gave_up"].summary
     assert by_key["restart_storm"].summary.endswith(")")
     for key in ("engine_restarted", "restart_storm", "gave_up"):
-        assert am.root_cause(by_key[key].summary) == CAUSE, by_key[key].summary
+        assert amp.root_cause(by_key[key].summary) == CAUSE, by_key[key].summary
 
 
 # -------------------------------------------------------------------- config
@@ -256,7 +253,7 @@ class FakeQueue:
 
     def __init__(self, name="alertmanager"):
         self.channel = type("Ch", (), {"name": name})()
-        self.items: list[am.AmPost] = []
+        self.items: list[amp.AmPost] = []
         self.cond = threading.Condition()
 
     def put(self, item):
@@ -283,7 +280,7 @@ def test_a_firing_keeps_its_labels_and_start_and_its_resolve_names_the_same_aler
     f.on_alert(raised(state="reminder", summary="KV cache still full", ctx=renamed, at=WALL + 3600))
     f.on_alert(raised(state="resolved", summary="KV cache has room again", ctx=renamed, at=WALL + 4000))
     fire, remind, resolve = q.items
-    assert fire.alert.labels == remind.alert.labels == resolve.alert.labels == am.alert_labels("kv_pressure", "warning", CTX)
+    assert fire.alert.labels == remind.alert.labels == resolve.alert.labels == amp.alert_labels("kv_pressure", "warning", CTX)
     assert fire.alert.starts_at == remind.alert.starts_at == resolve.alert.starts_at == WALL
     assert dict(remind.alert.annotations)["summary"] == "KV cache still full"
     assert (resolve.state, resolve.ends_at, dict(resolve.alert.annotations)["summary"]) == ("resolved", WALL + 4000, "KV cache has room again")
@@ -317,7 +314,7 @@ def test_events_are_sent_once_and_not_resolved_by_sync():
     f.on_alert(raised("engine_restarted", summary="engine restarting (hang)"))
     f.sync({}, CTX)
     [post] = q.items
-    assert (post.state, post.ends_at) == ("firing", WALL + am.EVENT_TTL_S)
+    assert (post.state, post.ends_at) == ("firing", WALL + amp.EVENT_TTL_S)
     assert f.table() == {}
     f.close()
 
@@ -357,7 +354,7 @@ def test_exit_alerts_persist_and_the_next_start_resolves_them_with_the_same_labe
     f.on_alert(raised("gave_up", "critical", summary="gave up: 5 start failures"))
     f.on_alert(raised("preflight_failed", "critical", summary="preflight failed: driver"))
     f.on_alert(raised("kv_pressure"))
-    assert [p.ttl for p in q.items] == [am.EXIT_TTL_S, am.EXIT_TTL_S, 240.0]
+    assert [p.ttl for p in q.items] == [amp.EXIT_TTL_S, amp.EXIT_TTL_S, 240.0]
     assert f.flush(time.monotonic() + 10)
     f.close()
     saved = json.loads((tmp_path / am.STATE_FILE).read_text())
@@ -368,14 +365,14 @@ def test_exit_alerts_persist_and_the_next_start_resolves_them_with_the_same_labe
     resolves = {p.alert.key: p for p in q2.items}
     assert set(resolves) == {"gave_up", "preflight_failed"}  # kv_pressure: adopted, left to the lifecycle
     assert resolves["gave_up"].state == "resolved" and resolves["gave_up"].ends_at == WALL + 900
-    assert resolves["gave_up"].alert.labels == am.alert_labels("gave_up", "critical", CTX)
+    assert resolves["gave_up"].alert.labels == amp.alert_labels("gave_up", "critical", CTX)
     assert f2.table() == {"gave_up": "resolving", "preflight_failed": "resolving", "kv_pressure": "adopted"}
     # The lifecycle says kv_pressure still fires: the same alert goes on, with its first start.
     entry = alerting.AlertEntry(firing=True, severity="warning", summary="KV cache full", since=800.0)
     f2.sync({"kv_pressure": entry}, later, wall_offset=WALL)
     kv = q2.items[-1]
     assert (kv.alert.key, kv.state, kv.alert.starts_at) == ("kv_pressure", "firing", WALL)
-    assert kv.alert.labels == am.alert_labels("kv_pressure", "warning", CTX)
+    assert kv.alert.labels == amp.alert_labels("kv_pressure", "warning", CTX)
     for post in q2.items[:2]:
         post.delivered("alertmanager")
     assert f2.flush(time.monotonic() + 10)
@@ -418,8 +415,8 @@ class ScriptedChannel:
 
     def __init__(self):
         self.failing = True
-        self.attempts: list[am.AmPost] = []
-        self.delivered: list[am.AmPost] = []
+        self.attempts: list[amp.AmPost] = []
+        self.delivered: list[amp.AmPost] = []
 
     def prepare(self, item):
         return item
@@ -439,8 +436,8 @@ class ScriptedChannel:
 
 
 def _post(state, generation):
-    alert = am.AmAlert("gave_up", am.Kind.CONDITION, (("alertname", "gave_up"),), (), WALL)
-    return am.AmPost(alert, am.PostState(state), WALL if state == "resolved" else None, 240.0, generation)
+    alert = amp.AmAlert("gave_up", amp.Kind.CONDITION, (("alertname", "gave_up"),), (), WALL)
+    return amp.AmPost(alert, amp.PostState(state), WALL if state == "resolved" else None, 240.0, generation)
 
 
 def wait_until(predicate, timeout=10.0):

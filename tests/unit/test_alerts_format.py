@@ -11,8 +11,8 @@ import pytest
 
 from r3090d.config import AlertsConfig, ConfigError, EmailConfig, SyslogConfig
 from r3090d.core.actions import SendAlert
-from r3090d.effectors import alerts
-from r3090d.effectors.alerts import AlertContext, RaisedAlert
+from r3090d.effectors import alertformat, alerts, channels
+from r3090d.effectors.alertformat import AlertContext, RaisedAlert
 
 CTX = AlertContext(hostname="box", gpu_index=1, gpu_name="NVIDIA GeForce RTX 3090", instance=1)
 WALL = 1_800_000_000.0  # 2027-01-15 08:00:00 UTC
@@ -39,26 +39,26 @@ def raised(key="gpu_memory", severity="warning", state="firing", summary="used 2
     ],
 )
 def test_syslog_severity_follows_rfc5424(severity, state, expected):
-    assert alerts.syslog_severity(SendAlert("k", severity, state, "s")) == expected
+    assert alertformat.syslog_severity(SendAlert("k", severity, state, "s")) == expected
 
 
 def test_subject_names_host_gpu_key_state_severity_summary_and_gpu_name():
     assert (
-        alerts.email_subject(raised())
+        alertformat.email_subject(raised())
         == "[r3090d] box gpu1 gpu_memory FIRING (warning): used 23.6 GiB [NVIDIA GeForce RTX 3090]"
     )
     assert (
-        alerts.email_subject(raised(state="resolved", summary=""))
+        alertformat.email_subject(raised(state="resolved", summary=""))
         == "[r3090d] box gpu1 gpu_memory RESOLVED (warning) [NVIDIA GeForce RTX 3090]"
     )
     with_uuid = dataclasses.replace(CTX, gpu_uuid=UUID)
-    assert alerts.email_subject(raised(ctx=with_uuid)).endswith(f"used 23.6 GiB [NVIDIA GeForce RTX 3090, {UUID}]")
+    assert alertformat.email_subject(raised(ctx=with_uuid)).endswith(f"used 23.6 GiB [NVIDIA GeForce RTX 3090, {UUID}]")
     index_only = AlertContext(hostname="box", gpu_index=1)
-    assert alerts.email_subject(raised(ctx=index_only)) == "[r3090d] box gpu1 gpu_memory FIRING (warning): used 23.6 GiB"
+    assert alertformat.email_subject(raised(ctx=index_only)) == "[r3090d] box gpu1 gpu_memory FIRING (warning): used 23.6 GiB"
 
 
 def test_subject_is_one_line_and_bounded_whatever_the_summary():
-    subject = alerts.email_subject(raised(summary="line one\r\nline two\t" + "x" * 500, key="a\nb"))
+    subject = alertformat.email_subject(raised(summary="line one\r\nline two\t" + "x" * 500, key="a\nb"))
     assert "\n" not in subject and "\r" not in subject and "\t" not in subject
     assert "a b FIRING" in subject
     assert subject.endswith("… [NVIDIA GeForce RTX 3090]")
@@ -67,12 +67,12 @@ def test_subject_is_one_line_and_bounded_whatever_the_summary():
 
 def test_subject_without_gpu():
     ctx = AlertContext(hostname="box")
-    assert alerts.email_subject(raised(ctx=ctx)) == "[r3090d] box nogpu gpu_memory FIRING (warning): used 23.6 GiB"
+    assert alertformat.email_subject(raised(ctx=ctx)) == "[r3090d] box nogpu gpu_memory FIRING (warning): used 23.6 GiB"
     # A name without a watched GPU (gpu.required = false) is not shown: "nogpu [name]" would contradict itself.
     named = AlertContext(hostname="box", gpu_name="NVIDIA GeForce RTX 3090", gpu_uuid=UUID)
-    assert alerts.email_subject(raised(ctx=named)) == alerts.email_subject(raised(ctx=ctx))
-    assert alerts.syslog_message(raised(ctx=named)) == "nogpu gpu_memory FIRING (warning): used 23.6 GiB"
-    body = alerts.email_body(raised(ctx=named))
+    assert alertformat.email_subject(raised(ctx=named)) == alertformat.email_subject(raised(ctx=ctx))
+    assert alertformat.syslog_message(raised(ctx=named)) == "nogpu gpu_memory FIRING (warning): used 23.6 GiB"
+    body = alertformat.email_body(raised(ctx=named))
     assert "GPU:      none configured\n" in body and "UUID" not in body
 
 
@@ -96,33 +96,33 @@ def test_context_takes_the_gpu_nvml_reported():
 @pytest.mark.parametrize("length", range(0, 131, 3))
 def test_the_subject_reads_back_unchanged_whatever_its_length(length):
     # A subject that fits on a line of its own but not after "Subject: " must not come back with a leading space.
-    channel = alerts.EmailChannel(email(), password=None, helo_name="box")
+    channel = channels.EmailChannel(email(), password=None, helo_name="box")
     alert = raised(summary=("word " * 30)[:length].strip())
     message = message_from_bytes(channel.prepare(alert).as_bytes(), policy=default_policy)
-    assert message["Subject"] == alerts.email_subject(alert)
+    assert message["Subject"] == alertformat.email_subject(alert)
 
 
 def test_body_has_summary_detail_host_gpu_unit_and_time():
-    body = alerts.email_body(raised(detail="threshold 23500 MiB\nused 24170 MiB"))
+    body = alertformat.email_body(raised(detail="threshold 23500 MiB\nused 24170 MiB"))
     assert "gpu_memory is FIRING (warning)" in body
     assert "used 23.6 GiB" in body
     assert "threshold 23500 MiB\nused 24170 MiB" in body
     assert "Host:     box" in body
     assert "GPU:      1 (NVIDIA GeForce RTX 3090)" in body
     assert "UUID" not in body  # not known in CTX
-    with_uuid = alerts.email_body(raised(ctx=dataclasses.replace(CTX, gpu_uuid=UUID)))
+    with_uuid = alertformat.email_body(raised(ctx=dataclasses.replace(CTX, gpu_uuid=UUID)))
     assert f"GPU:      1 (NVIDIA GeForce RTX 3090)\nGPU UUID: {UUID}\n" in with_uuid
     assert "Unit:     r3090d@1" in body
     assert "(2027-01-15 08:00:00 UTC)" in body
 
 
 def test_syslog_message_is_one_line_and_bounded():
-    text = alerts.syslog_message(raised(summary="a\nb\x00c" + "y" * 5000))
+    text = alertformat.syslog_message(raised(summary="a\nb\x00c" + "y" * 5000))
     assert text.startswith("gpu1 gpu_memory FIRING (warning): a b c")
     assert not any(ch in text for ch in "\n\r\x00")
-    assert len(text) == alerts.MAX_SYSLOG_TEXT
+    assert len(text) == alertformat.MAX_SYSLOG_TEXT
     assert text.endswith("y… [NVIDIA GeForce RTX 3090]")  # the GPU survives the cut
-    assert alerts.syslog_message(raised()) == "gpu1 gpu_memory FIRING (warning): used 23.6 GiB [NVIDIA GeForce RTX 3090]"
+    assert alertformat.syslog_message(raised()) == "gpu1 gpu_memory FIRING (warning): used 23.6 GiB [NVIDIA GeForce RTX 3090]"
 
 
 def test_retry_delay_doubles_then_caps():
@@ -142,7 +142,7 @@ def test_retry_delay_doubles_then_caps():
     ],
 )
 def test_parse_syslog_address(text, expected):
-    assert alerts.parse_syslog_address(text) == expected
+    assert channels.parse_syslog_address(text) == expected
 
 
 @pytest.mark.parametrize(
@@ -150,19 +150,19 @@ def test_parse_syslog_address(text, expected):
 )
 def test_parse_syslog_address_rejects_with_key(text):
     with pytest.raises(ConfigError) as err:
-        alerts.parse_syslog_address(text, "/etc/r3090d/r3090d.toml")
+        channels.parse_syslog_address(text, "/etc/r3090d/r3090d.toml")
     assert err.value.key == "alerts.syslog.address"
     assert err.value.fix
 
 
 def test_unknown_facility_and_bad_ident_are_config_errors():
     with pytest.raises(ConfigError) as err:
-        alerts.SyslogChannel(SyslogConfig(facility="lokal0"))
+        channels.SyslogChannel(SyslogConfig(facility="lokal0"))
     assert err.value.key == "alerts.syslog.facility" and "local0" in err.value.fix
     with pytest.raises(ConfigError) as err:
-        alerts.SyslogChannel(SyslogConfig(ident="r3090d: evil"))
+        channels.SyslogChannel(SyslogConfig(ident="r3090d: evil"))
     assert err.value.key == "alerts.syslog.ident"
-    assert alerts.SyslogChannel(SyslogConfig(facility="LOCAL3")).facility == "local3"
+    assert channels.SyslogChannel(SyslogConfig(facility="LOCAL3")).facility == "local3"
 
 
 # ------------------------------------------------------------------ secrets
@@ -177,14 +177,14 @@ def email(**kw) -> EmailConfig:
 def test_password_from_file_strips_only_the_line_end(tmp_path):
     f = tmp_path / "pw"
     f.write_text(" s3cret pass \n")
-    assert alerts.read_smtp_password(email(username="u", password_file=str(f)), environ={}) == " s3cret pass "
+    assert channels.read_smtp_password(email(username="u", password_file=str(f)), environ={}) == " s3cret pass "
 
 
 def test_password_from_systemd_credentials(tmp_path):
     (tmp_path / "smtp-password").write_text("from-credential\n")
     cfg = email(username="u")
     assert (
-        alerts.read_smtp_password(cfg, environ={"CREDENTIALS_DIRECTORY": str(tmp_path)}) == "from-credential"
+        channels.read_smtp_password(cfg, environ={"CREDENTIALS_DIRECTORY": str(tmp_path)}) == "from-credential"
     )
 
 
@@ -192,11 +192,11 @@ def test_password_file_wins_over_credentials(tmp_path):
     (tmp_path / "smtp-password").write_text("from-credential")
     (tmp_path / "pw").write_text("from-file")
     cfg = email(username="u", password_file=str(tmp_path / "pw"))
-    assert alerts.read_smtp_password(cfg, environ={"CREDENTIALS_DIRECTORY": str(tmp_path)}) == "from-file"
+    assert channels.read_smtp_password(cfg, environ={"CREDENTIALS_DIRECTORY": str(tmp_path)}) == "from-file"
 
 
 def test_no_username_means_no_password_read(tmp_path):
-    assert alerts.read_smtp_password(email(), environ={"CREDENTIALS_DIRECTORY": str(tmp_path)}) is None
+    assert channels.read_smtp_password(email(), environ={"CREDENTIALS_DIRECTORY": str(tmp_path)}) is None
 
 
 @pytest.mark.parametrize(
@@ -216,7 +216,7 @@ def test_password_problems_are_config_errors_without_the_text(
     if content is not None:
         f.write_text(content)
     with pytest.raises(ConfigError) as err:
-        alerts.read_smtp_password(email(username=username, password_file=str(f)), "cfg.toml", environ={})
+        channels.read_smtp_password(email(username=username, password_file=str(f)), "cfg.toml", environ={})
     assert err.value.key == expect_key
     assert expect_text in err.value.one_line()
     assert "pw-line" not in err.value.one_line()
@@ -224,17 +224,17 @@ def test_password_problems_are_config_errors_without_the_text(
 
 def test_username_without_any_password_source():
     with pytest.raises(ConfigError) as err:
-        alerts.read_smtp_password(email(username="u"), environ={})
+        channels.read_smtp_password(email(username="u"), environ={})
     assert "LoadCredential=smtp-password" in err.value.fix
 
 
 def test_clear_text_login_to_a_remote_host_is_refused():
     with pytest.raises(ConfigError) as err:
-        alerts.EmailChannel(email(smtp_host="mail.example.org", username="u"), password="pw", helo_name="box")
+        channels.EmailChannel(email(smtp_host="mail.example.org", username="u"), password="pw", helo_name="box")
     assert err.value.key == "alerts.email.security"
     # Loopback relays are fine, and so is TLS.
-    alerts.EmailChannel(email(smtp_host="localhost", username="u"), password="pw", helo_name="box")
-    alerts.EmailChannel(
+    channels.EmailChannel(email(smtp_host="localhost", username="u"), password="pw", helo_name="box")
+    channels.EmailChannel(
         email(smtp_host="mail.example.org", username="u", security="ssl"), password="pw", helo_name="box"
     )
 
@@ -242,12 +242,12 @@ def test_clear_text_login_to_a_remote_host_is_refused():
 @pytest.mark.parametrize("bad", ["nobody", "a b@example.org", "x@example.org\nBcc: evil@example.org"])
 def test_bad_addresses_are_config_errors(bad):
     with pytest.raises(ConfigError) as err:
-        alerts.EmailChannel(email(recipients=["ok@example.org", bad]), password=None, helo_name="box")
+        channels.EmailChannel(email(recipients=["ok@example.org", bad]), password=None, helo_name="box")
     assert err.value.key == "alerts.email.recipients[1]"
 
 
 def test_redact_removes_password_and_its_wire_forms():
-    channel = alerts.EmailChannel(email(username="user"), password="hunter2!", helo_name="box")
+    channel = channels.EmailChannel(email(username="user"), password="hunter2!", helo_name="box")
     plain = base64.b64encode(b"\0user\0hunter2!").decode()
     login = base64.b64encode(b"hunter2!").decode()
     text = channel.redact(f"535 nope hunter2! {plain} {login}")
@@ -283,8 +283,8 @@ def test_check_config_reports_alerts_mistakes_for_config_check(tmp_path):
     from r3090d.config import from_dict
 
     base = {"engine": {"model": "m"}, "alerts": {"syslog": {"facility": "daemon"}}}
-    alerts.check_config(from_dict(base, "f.toml", check_files=False), environ={})
+    channels.check_config(from_dict(base, "f.toml", check_files=False), environ={})
     base["alerts"]["syslog"]["facility"] = "deamon"
     with pytest.raises(ConfigError) as err:
-        alerts.check_config(from_dict(base, "f.toml", check_files=False), environ={})
+        channels.check_config(from_dict(base, "f.toml", check_files=False), environ={})
     assert err.value.one_line().startswith("f.toml: alerts.syslog.facility: unknown facility 'deamon'")

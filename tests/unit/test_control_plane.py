@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from r3090d import exitcodes
-from r3090d.service import control, exporter, statusview
+from r3090d.service import control_protocol, exporter, statusview
 
 NOW = 1_800_000_000.0
 
@@ -62,7 +62,7 @@ def doc(phase="ready", maintenance=False, health="ok", firing=None, silenced=Non
     ],
 )
 def test_validate(request_, problem):
-    got = control.validate(request_)
+    got = control_protocol.validate(request_)
     if problem is None:
         assert got is None
     else:

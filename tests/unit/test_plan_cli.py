@@ -10,6 +10,7 @@ import pytest
 
 from r3090d.cli import plan_cmd
 from r3090d.cli.common import ctl, run_click
+from r3090d.config import loading as config_loading
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 QWEN_CONFIG = DATA / "qwen2.5-7b-config.json"
@@ -20,7 +21,8 @@ def no_gpu(monkeypatch):
     # The NVML boundary: behave as a machine without a GPU wherever the tests run.
     monkeypatch.setattr(plan_cmd, "gpu_from_nvml", lambda index: (None, "NVML: no_library: test machine"))
     monkeypatch.delenv("R3090D_CONFIG", raising=False)
-    monkeypatch.setattr(plan_cmd.configmod, "DEFAULT_PATH", Path("/nonexistent/r3090d.toml"))
+    # resolve_path() reads the default where it is defined, not the package's re-export.
+    monkeypatch.setattr(config_loading, "DEFAULT_PATH", Path("/nonexistent/r3090d.toml"))
 
 
 @pytest.fixture
