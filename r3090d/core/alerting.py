@@ -68,9 +68,6 @@ class AlertBook:
     def firing(self) -> dict[str, AlertEntry]:
         return {k: e for k, e in self.entries if e.firing}
 
-    def silenced_until(self, key: str, now: float) -> float | None:
-        until = dict(self.silenced).get(key)
-        return until if until is not None and until > now else None
 
 
 def silence(book: AlertBook, key: str, until: float) -> AlertBook:

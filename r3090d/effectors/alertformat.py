@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import logging
-import logging.handlers
 import re
 import socket
 from dataclasses import dataclass
@@ -31,8 +29,6 @@ from r3090d.core.actions import SendAlert
 MAX_SYSLOG_TEXT = 2000  # characters; well under any datagram limit
 MAX_SUBJECT_SUMMARY = 100
 
-SEVERITIES = ("info", "warning", "critical")
-STATES = ("firing", "reminder", "resolved")
 
 _SYSLOG_PRIORITY = {"critical": "crit", "warning": "warning", "info": "info"}
 CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]+")
@@ -138,11 +134,6 @@ def syslog_priority_name(alert: SendAlert) -> str:
     if alert.state == "resolved":
         return "notice"
     return _SYSLOG_PRIORITY.get(alert.severity, "warning")
-
-
-def syslog_severity(alert: SendAlert) -> int:
-    """The RFC 5424 severity number (0 emerg .. 7 debug)."""
-    return logging.handlers.SysLogHandler.priority_names[syslog_priority_name(alert)]
 
 
 def syslog_message(raised: RaisedAlert) -> str:

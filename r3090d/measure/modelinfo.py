@@ -61,10 +61,6 @@ class ModelFacts:
     error: str | None = None  # every problem found, "; "-joined
     problems: tuple[str, ...] = field(default=(), repr=False)
 
-    @property
-    def has_weights(self) -> bool:
-        return bool(self.weight_files)
-
 
 # ------------------------------------------------------------------ reading
 

@@ -216,10 +216,6 @@ class ParamCounts:
     def total(self) -> int:
         return self.embedding + self.lm_head + self.linear + self.bias + self.norm
 
-    @property
-    def linear_shapes_note(self) -> str:
-        return "q/k/v/o + gate/up/down per layer"
-
 
 def count_params(shape: ModelShape) -> ParamCounts:
     """Llama/Qwen2-style decoder: embeddings, untied lm_head, attention, SwiGLU MLP, RMSNorms."""

@@ -70,22 +70,6 @@ def read_json(path: Path) -> dict | None:
 BOOK_TIME_FIELDS = ("since", "last_sent_at", "clear_since")  # monotonic in AlertEntry, wall in the file
 
 
-def book_to_json(book: AlertBook, offset: float) -> dict:
-    def wall(t):
-        return None if t is None else t + offset
-
-    return {
-        "entries": {
-            key: {
-                **plain(e),
-                **{name: wall(getattr(e, name)) for name in BOOK_TIME_FIELDS},
-            }
-            for key, e in book.entries
-        },
-        "silenced": {key: until + offset for key, until in book.silenced},
-    }
-
-
 def book_from_json(data: dict | None, offset: float) -> AlertBook:
     """Rebuild the alert book persisted by a previous daemon; garbage gives an empty book."""
     if not isinstance(data, dict):

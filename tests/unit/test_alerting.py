@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -13,7 +14,8 @@ from r3090d.core import alerting
 from r3090d.core.actions import SendAlert
 from r3090d.core.alerting import AlertBook
 from r3090d.core.rules import Condition
-from r3090d.service.state import book_from_json, book_to_json
+from r3090d.service.report import book_info
+from r3090d.service.state import book_from_json
 
 POLL = 2.0  # seconds between polls, as the daemon's default
 FIRING_TEXT = "KV cache full under load: 0 free blocks, 12 running, 30 waiting"
@@ -241,7 +243,7 @@ def test_the_book_round_trips_through_the_state_file_mid_hold():
     entry = book.get("kv_pressure")
     assert entry.firing and entry.fired_sent and entry.clear_since is not None
     # The daemon restarts; the new process's monotonic clock reads 30 s more for the same instant.
-    restored = book_from_json(book_to_json(book, offset=5000.0), offset=5000.0 - 30.0)
+    restored = book_from_json(dataclasses.asdict(book_info(book, offset=5000.0)), offset=5000.0 - 30.0)
     back = restored.get("kv_pressure")
     assert back.fired_sent and back.clear_since == pytest.approx(entry.clear_since + 30.0)
     # The hold keeps counting from the first clear poll across the restart.

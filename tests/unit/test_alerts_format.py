@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import logging.handlers
 from email import message_from_bytes
 from email.policy import default as default_policy
 
@@ -39,7 +40,7 @@ def raised(key="gpu_memory", severity="warning", state="firing", summary="used 2
     ],
 )
 def test_syslog_severity_follows_rfc5424(severity, state, expected):
-    assert alertformat.syslog_severity(SendAlert("k", severity, state, "s")) == expected
+    assert logging.handlers.SysLogHandler.priority_names[alertformat.syslog_priority_name(SendAlert("k", severity, state, "s"))] == expected
 
 
 def test_subject_names_host_gpu_key_state_severity_summary_and_gpu_name():

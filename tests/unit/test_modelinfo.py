@@ -176,7 +176,7 @@ def test_other_weight_formats_are_listed_but_not_summed(tmp_path):
     (d / "training_args.bin").write_bytes(b"\0" * 5)
     f = read_model_dir(d)
     assert [(w.name, w.format, w.size_on_disk) for w in f.weight_files] == [("pytorch_model.bin", "bin", 123)]
-    assert f.weight_bytes is None and f.has_weights
+    assert f.weight_bytes is None and f.weight_files
 
 
 def test_not_a_directory(tmp_path):

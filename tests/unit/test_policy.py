@@ -454,7 +454,8 @@ def test_gpu_memory_alert_fire_remind_resolve():
 
 
 def test_alert_book_survives_a_restart_of_the_daemon():
-    from r3090d.service.state import book_from_json, book_to_json
+    from r3090d.service.report import book_info
+    from r3090d.service.state import book_from_json
 
     c = cfg(gpu_required=True, gpu_memory_alert_mib=1000, alerts={"hysteresis_polls": 1, "reminder_interval": 3600.0})
     st = ready_state(c)
@@ -462,7 +463,7 @@ def test_alert_book_survives_a_restart_of_the_daemon():
     acts, st = policy.decide(snap(2, gpu=hot), st, c, 2)
     assert [a.state for a in acts if isinstance(a, SendAlert)] == ["firing"]
     # The daemon restarts: the book is persisted with wall times and read back with another offset.
-    saved = book_to_json(st.alerts, offset=1_000_000.0)
+    saved = dataclasses.asdict(book_info(st.alerts, offset=1_000_000.0))
     restored = book_from_json(saved, offset=1_000_000.0 - 50.0)  # the new process's clock is 50 s further on
     st2 = dataclasses.replace(ready_state(c, now=52.0), alerts=restored)
     acts, st2 = policy.decide(snap(53.0, gpu=hot), st2, c, 53.0)
