@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from r3090d.core.snapshot import CLOCK_EVENT_REASONS as NVML_CLOCK_EVENT_REASONS
+
 MIB = 1024 * 1024
 
 # Linux limits: a path component (NAME_MAX) and a whole path (PATH_MAX, with its NUL).
@@ -24,25 +26,9 @@ ARGV_BUDGET = 64 * 1024
 MAX_PORT = 65535
 MAX_GPU_INDEX = 63
 
-# The clock-event reason names r3090d.probes.nvml derives from pynvml's
-# nvmlClocksEventReason*/nvmlClocksThrottleReason* constants (CamelCase to
-# snake_case). Listed here so that loading a config needs no NVML; a unit test
-# keeps the two in step.
-CLOCK_EVENT_REASONS = frozenset(
-    {
-        "gpu_idle",
-        "applications_clocks_setting",
-        "sw_power_cap",
-        "hw_slowdown",
-        "sync_boost",
-        "sw_thermal_slowdown",
-        "hw_thermal_slowdown",
-        "hw_power_brake_slowdown",
-        "display_clock_setting",
-        "board_limit",
-        "reliability",
-    }
-)
+# The clock-event reason names, from the one list beside GpuSample: loading a
+# config needs no NVML.
+CLOCK_EVENT_REASONS = frozenset(NVML_CLOCK_EVENT_REASONS)
 
 
 @dataclass(frozen=True)

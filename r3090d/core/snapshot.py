@@ -32,6 +32,24 @@ class GpuStatus(enum.StrEnum):
     PENDING = "pending"  # the worker has not produced its first sample yet
 
 
+# NVML's clock event (throttle) reasons as probes.nvml.clock_reason_table names them
+# (pynvml's nvmlClocksEventReason* constants, CamelCase to snake_case), in bit order.
+# A unit test keeps this list and the probe's in step.
+CLOCK_EVENT_REASONS = (
+    "gpu_idle",
+    "applications_clocks_setting",
+    "sw_power_cap",
+    "hw_slowdown",
+    "sync_boost",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+    "display_clock_setting",
+    "board_limit",
+    "reliability",
+)
+
+
 @dataclass(frozen=True)
 class GpuProcess:
     pid: int

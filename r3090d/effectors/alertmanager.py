@@ -23,9 +23,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import os
 import ssl
-import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -53,6 +51,7 @@ from r3090d.effectors.alertmanager_payload import (
     one_off_post,
 )
 from r3090d.effectors.channels import DeliveryError
+from r3090d.service.state import write_text_atomic
 
 log = logging.getLogger("r3090d.alerts")
 
@@ -419,7 +418,7 @@ class AlertmanagerFeed:
         try:
             if not self._path.parent.is_dir():
                 raise FileNotFoundError(f"{self._path.parent} does not exist")
-            write_atomic(self._path, json.dumps(doc, indent=1) + "\n")  # labels keep their order
+            write_text_atomic(self._path, json.dumps(doc, indent=1) + "\n", durable=True)  # labels keep their order; the next start reads it
         except OSError as exc:
             reason = f"cannot write {self._path}: {exc.strerror or exc}"
             if reason != self._write_failure:  # one warning per distinct failure
@@ -502,19 +501,3 @@ def parse_state(text: str) -> list[SavedEntry]:
     return out
 
 
-def write_atomic(path: Path, text: str, mode: int = 0o640) -> None:
-    """Write, fsync and rename: a reader (the next start) sees the old file or the new one, even after a crash."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
 
-from r3090d.core.snapshot import GpuSample, GpuStatus, HealthStatus
+from r3090d.core.snapshot import CLOCK_EVENT_REASONS, GpuSample, GpuStatus, HealthStatus
 from r3090d.core.vocabulary import Phase, RestartReason
 from r3090d.service.httpserver import HttpReply, HttpRequest, _HttpServer, text_reply
 from r3090d.service.report import StateDocument, view
@@ -46,23 +46,6 @@ STALE_POLLS = 5
 # increase() sees the first restart of each (a new series starts unseen).
 RESTART_REASONS = tuple(r.value for r in RestartReason)
 PHASES = tuple(p.value for p in Phase)
-# NVML's clock event (throttle) reasons, as probes.nvml.clock_reason_table names
-# them, in bit order: each is exported, 0 when absent, so a panel or a rule sees
-# a reason start rather than a series appear. A reason the probe reports that is
-# not listed here (a newer driver's, or unknown_0x...) is exported at 1 all the same.
-CLOCK_EVENT_REASONS = (
-    "gpu_idle",
-    "applications_clocks_setting",
-    "sw_power_cap",
-    "hw_slowdown",
-    "sync_boost",
-    "sw_thermal_slowdown",
-    "hw_thermal_slowdown",
-    "hw_power_brake_slowdown",
-    "display_clock_setting",
-    "board_limit",
-    "reliability",
-)
 
 
 class TickStats:
@@ -222,6 +205,8 @@ def families(doc: StateDocument | dict | None, now: float) -> list:
     clocks = GaugeMetricFamily("r3090d_gpu_clock_event_reason", "1 for each reason NVML gives for holding the clocks down (throttling), 0 for the others", labels=["reason"])
     present = g.clock_event_reasons
     if present is not None:
+        # Each known reason is exported, 0 when absent, so a panel or a rule sees a reason start rather
+        # than a series appear; one the probe reports that is not listed (unknown_0x...) is exported too.
         for reason in CLOCK_EVENT_REASONS + tuple(r for r in present if r not in CLOCK_EVENT_REASONS):
             clocks.add_metric([reason], 1.0 if reason in present else 0.0)
     out.append(clocks)
