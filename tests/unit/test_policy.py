@@ -610,3 +610,18 @@ def test_the_reason_for_not_using_the_gpu_is_kept_for_status():
     c = cfg(**GPU_CFG)
     _, _, st = run_ready(c, [snap(0, engine=busy_engine(), gpu=gpu(50, graphics=((4242, 300),)))] * 2)
     assert st.watch.gpu_signal_off == "another process uses the GPU (pid 4242)"
+
+
+def test_nvml_failing_for_blind_polls_fires_watchdog_blind_and_clears():
+    c = cfg(gpu_required=True, blind_polls=3, alerts={"hysteresis_polls": 1, "min_interval": 0.0})
+    st = ready_state(c)
+    broken = GpuSample(GpuStatus.ERROR, "nvmlDeviceGetMemoryInfo: Unknown Error")
+    sent = []
+    for t in range(2, 8):
+        acts, st = policy.decide(snap(t, gpu=broken), st, c, t)
+        sent += [(t, a.state, a.summary) for a in acts if isinstance(a, SendAlert) and a.key == "watchdog_blind"]
+    assert [s[:2] for s in sent] == [(4, "firing")], sent  # at the third failing poll
+    assert "NVML failing for 3 polls" in sent[0][2] and "Unknown Error" in sent[0][2]
+    ok = GpuSample(GpuStatus.OK, memory_used=1 * MIB, memory_total=24576 * MIB, utilization_gpu=50, age_s=0.0, processes=(), graphics_processes=())
+    acts, st = policy.decide(snap(9, gpu=ok), st, c, 9)
+    assert [(a.state, a.summary) for a in acts if isinstance(a, SendAlert) and a.key == "watchdog_blind"] == [("resolved", "the watchdog sees again")]
