@@ -25,15 +25,16 @@ from tests.fakevllm.harness import make_engine_python  # noqa: E402
 TRIALS = 20
 
 
-def time_respawn(daemon: psutil.Process, pid: int) -> tuple[float, int]:
+def time_respawn(daemon: psutil.Process, pid: int, timeout: float = 30.0) -> tuple[float, int]:
     """SIGKILL the engine's API server `pid`; seconds until the daemon's new engine process exists, and its pid."""
     t0 = time.perf_counter()
     os.kill(pid, signal.SIGKILL)
-    while True:
+    while time.perf_counter() - t0 < timeout:
         for child in daemon.children():
             if child.pid != pid and child.status() != psutil.STATUS_ZOMBIE:
                 return time.perf_counter() - t0, child.pid
         time.sleep(0.0005)
+    raise RuntimeError(f"no new engine within {timeout:.0f} s of killing pid {pid} (did the daemon give up? see its state file)")
 
 
 def main() -> int:
@@ -43,8 +44,10 @@ def main() -> int:
         sections = engine_config(
             tmp,
             python,
-            # No backoff is due: every restart is the first after a stable period.
-            watchdog={"backoff_initial": 0.0, "backoff_max": 0.0, "give_up_restarts": 1000, "poll_interval": 2.0},
+            # No backoff is due: every restart is the first after a stable period. min_uptime 0
+            # makes every engine count as stable at once; else each kill would be a start
+            # failure, and two in a row with the same root-cause line give up.
+            watchdog={"backoff_initial": 0.0, "backoff_max": 0.0, "give_up_restarts": 1000, "poll_interval": 2.0, "min_uptime": 0.0},
         )
         d = DaemonProcess(write_config(tmp / "r3090d.toml", sections), tmp / "daemon.log").start()
         daemon = psutil.Process(d.pid)

@@ -254,7 +254,9 @@ def _fail(snap, st, cfg, now, actions, events, reason, detail, *, drain) -> Poli
         return _restart(snap, st, cfg, now, actions, events, reason, detail, drain=drain, counts=True, root_cause=cause)
     level = st.start_failures  # backoff before this restart: one step per earlier start failure in a row
     failures = st.start_failures + 1
-    same = st.same_cause_run + 1 if cause is not None and cause == st.last_root_cause and st.start_failures else (1 if cause else 0)
+    # Only a line that says why (an exception, an ERROR) can make two failures "the same cause".
+    certain = cause is not None and snap.child.root_cause_certain
+    same = st.same_cause_run + 1 if certain and cause == st.last_root_cause and st.start_failures else (1 if certain else 0)
     st = replace(st, start_failures=failures, same_cause_run=same, last_root_cause=cause)
     wd = cfg.watchdog
     if failures >= wd.start_failures or same >= wd.same_cause_failures:

@@ -52,6 +52,13 @@ def _clip(text: str) -> str:
 
 
 def root_cause(lines: Iterable[str]) -> str | None:
+    return find(lines)[0]
+
+
+def find(lines: Iterable[str]) -> tuple[str | None, bool]:
+    """(the line, whether it says why): an engine exception or an ERROR line does; the
+    last-line fallback (an access-log line, a throughput line) only shows where it stopped,
+    and must not make two different failures look like the same cause."""
     first_error = None
     last = None
     for raw in lines:
@@ -60,8 +67,9 @@ def root_cause(lines: Iterable[str]) -> str | None:
             continue
         last = message
         if _is_engine_process(proc) and _EXCEPTION.match(message):
-            return _clip(message)
+            return _clip(message), True
         if first_error is None and level in ("ERROR", "CRITICAL"):
             first_error = message
-    chosen = first_error or last
-    return _clip(chosen) if chosen else None
+    if first_error:
+        return _clip(first_error), True
+    return (_clip(last), False) if last else (None, False)

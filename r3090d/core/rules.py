@@ -30,6 +30,7 @@ class WatchState:
     preemptions: tuple[tuple[float, float], ...] = ()  # (time, total), a short window
     probe_seen_finished_at: float | None = None
     probe_due_at: float | None = None
+    probe_failures: int = 0  # failed probes in a row with nothing moving after they were sent
     memory_points: tuple[tuple[float, int], ...] = ()  # (time, used bytes), downsampled
     gpu_busy: bool = False  # the GPU's own view at the last poll: the engine is computing
     gpu_idle_since: float | None = None  # requests running and the GPU idle, since
@@ -197,12 +198,15 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
     inf = snap.inference
     if inf.finished_at is not None and inf.finished_at != w.probe_seen_finished_at:
         w = replace(w, probe_seen_finished_at=inf.finished_at)
-        if inf.ok:
-            w = replace(w, probe_due_at=max(inf.finished_at, w.progress_at) + wd.probe_idle_seconds)
+        moved = inf.sent_at is not None and w.progress_at > inf.sent_at
+        if inf.ok or moved:
+            # A probe that queued behind a long prefill times out while the engine works:
+            # progress after it was sent says the engine is not frozen, so it does not count.
+            w = replace(w, probe_failures=0, probe_due_at=max(inf.finished_at, w.progress_at) + wd.probe_idle_seconds)
         else:
-            w = replace(w, probe_due_at=inf.finished_at)  # retry at once
-        if not inf.ok and inf.consecutive_failures >= wd.probe_failures:
-            return w, Verdict(RestartReason.STALLED, f"{inf.consecutive_failures} inference probes failed ({inf.detail})", drain=False)
+            w = replace(w, probe_failures=w.probe_failures + 1, probe_due_at=inf.finished_at)  # retry at once
+            if w.probe_failures >= wd.probe_failures:
+                return w, Verdict(RestartReason.STALLED, f"{w.probe_failures} inference probes failed with nothing moving ({inf.detail})", drain=False)
 
     # KV cache: low free blocks for K consecutive polls.
     if eng.free_blocks is not None and eng.free_blocks < wd.min_free_blocks:

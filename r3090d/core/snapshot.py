@@ -208,6 +208,7 @@ class ChildSample:
     spawn_error: str | None = None  # the spawn itself failed (bad python path, ...)
     generation: int = 0  # increments at each spawn
     root_cause: str | None = None  # after an exit: the line of the engine's log that says why (rootcause.py)
+    root_cause_certain: bool = False  # an exception or ERROR line, not just the last line printed
 
     @property
     def tree_gone(self) -> bool:

@@ -23,7 +23,7 @@ import time
 
 import psutil
 
-from r3090d.core.rootcause import root_cause
+from r3090d.core import rootcause
 from r3090d.core.snapshot import ChildSample
 
 log = logging.getLogger("r3090d.engine")
@@ -242,9 +242,9 @@ class EngineProcess:
                 generation=self._generation,
             )
             if self._spawn_error is not None:
-                fields["root_cause"] = self._spawn_error
+                fields["root_cause"], fields["root_cause_certain"] = self._spawn_error, True
             elif self._exit_code is not None:
-                fields["root_cause"] = root_cause(list(self._tail))  # a copy: the reader thread appends
+                fields["root_cause"], fields["root_cause_certain"] = rootcause.find(list(self._tail))  # a copy: the reader thread appends
         tree = group_members(pgid) if pgid is not None else ()
         return ChildSample(tree_pids=tree, **fields)
 

@@ -49,7 +49,8 @@ class Sampler:
             probe = phase in (Phase.STARTING, Phase.READY)
         if child.alive and probe:
             health = self.probe.health()
-            if phase in (Phase.READY, Phase.SUSPENDING) or health.status is HealthStatus.OK:
+            # Not after a /health timeout: a hung server would hold the tick for metrics_timeout too.
+            if health.status is not HealthStatus.TIMEOUT and (phase in (Phase.READY, Phase.SUSPENDING) or health.status is HealthStatus.OK):
                 engine, self.last_metrics_text = self.probe.metrics()
         restart, maintenance, silences = pending.take()
         suspend, resume = pending.take_suspend()

@@ -132,7 +132,7 @@ def test_unrequested_exit_is_a_failure_whatever_the_code(code):
 
 def crash_and_restart(st, c, now, gen, *, cause=None, phase_ready=True):
     """One unrequested exit with the tree already gone; returns (delay until start, state, actions)."""
-    dead = ChildSample(pid=100, alive=False, exit_code=0, tree_pids=(), generation=gen, root_cause=cause)
+    dead = ChildSample(pid=100, alive=False, exit_code=0, tree_pids=(), generation=gen, root_cause=cause, root_cause_certain=cause is not None)
     acts, st = policy.decide(snap(now, ch=dead), st, c, now)
     if st.phase is Phase.GIVEN_UP:
         return None, st, acts
@@ -145,7 +145,7 @@ def crash_and_restart(st, c, now, gen, *, cause=None, phase_ready=True):
 
 def fail_during_start(st, c, now, gen, cause=None):
     """The engine of `gen` exits before /health ever answered."""
-    dead = ChildSample(pid=100, alive=False, exit_code=1, tree_pids=(), generation=gen, root_cause=cause)
+    dead = ChildSample(pid=100, alive=False, exit_code=1, tree_pids=(), generation=gen, root_cause=cause, root_cause_certain=cause is not None)
     return crash_and_restart(st, c, now, gen, cause=cause) if st.phase is not Phase.STARTING else _start_exit(st, c, now, dead)
 
 
@@ -625,3 +625,40 @@ def test_nvml_failing_for_blind_polls_fires_watchdog_blind_and_clears():
     ok = GpuSample(GpuStatus.OK, memory_used=1 * MIB, memory_total=24576 * MIB, utilization_gpu=50, age_s=0.0, processes=(), graphics_processes=())
     acts, st = policy.decide(snap(9, gpu=ok), st, c, 9)
     assert [(a.state, a.summary) for a in acts if isinstance(a, SendAlert) and a.key == "watchdog_blind"] == [("resolved", "the watchdog sees again")]
+
+
+def test_a_probe_that_queued_behind_a_long_prefill_does_not_count_as_a_freeze():
+    """Two probes time out while a long prompt's chunks move KV blocks: the engine works, no restart."""
+    c = cfg(probe_idle_seconds=6.0, probe_timeout=3.0, probe_failures=2, stall_seconds=1000.0)
+    st = ready_state(c)
+    idle = metrics(900, 0.0, tokens=10.0)
+    for t in range(2, 9):
+        acts, st = policy.decide(snap(t, engine=idle), st, c, t)
+    assert any(isinstance(a, SendInferenceProbe) for a in acts)  # due at 8
+    # A long prompt arrives: its prefill allocates blocks each tick; the probe queues behind it.
+    first = InferenceProbeSample(sent_at=8.0, finished_at=11.0, ok=False, detail="timeout", consecutive_failures=1)
+    acts, st = policy.decide(snap(9, engine=metrics(890, 0.01, running=1, tokens=10.0), inference=InferenceProbeSample(sent_at=8.0)), st, c, 9)
+    acts, st = policy.decide(snap(11, engine=metrics(880, 0.02, running=1, tokens=10.0), inference=first), st, c, 11)
+    second = InferenceProbeSample(sent_at=12.0, finished_at=15.0, ok=False, detail="timeout", consecutive_failures=2)
+    acts, st = policy.decide(snap(13, engine=metrics(870, 0.03, running=1, tokens=10.0), inference=InferenceProbeSample(sent_at=12.0, consecutive_failures=1)), st, c, 13)
+    acts, st = policy.decide(snap(15, engine=metrics(860, 0.04, running=1, tokens=10.0), inference=second), st, c, 15)
+    assert st.phase is Phase.READY and not any(isinstance(a, RecordRestart) for a in acts)
+    # The same two failures with nothing moving: frozen, restart.
+    st = ready_state(c)
+    for t in range(2, 9):
+        acts, st = policy.decide(snap(t, engine=idle), st, c, t)
+    acts, st = policy.decide(snap(11, engine=idle, inference=first), st, c, 11)
+    acts, st = policy.decide(snap(15, engine=idle, inference=second), st, c, 15)
+    assert st.restart_reason == "stalled"
+
+
+def test_the_same_last_line_is_not_the_same_cause():
+    """A last-line fallback (an access-log line) says where the log stopped, not why: no early give-up."""
+    c = cfg(start_failures=10, same_cause_failures=2, backoff_initial=0.0, backoff_max=0.0)
+    st = policy.initial_state(0.0)
+    _, st = policy.decide(snap(0, ch=ChildSample(), health=REFUSED), st, c, 0)
+    line = 'INFO:     127.0.0.1:40000 - "GET /metrics HTTP/1.1" 200 OK'
+    for gen in range(1, 5):
+        dead = ChildSample(pid=100, alive=False, exit_code=1, tree_pids=(), generation=gen, root_cause=line, root_cause_certain=False)
+        delay, st, _ = _start_exit(st, c, float(gen), dead)
+        assert delay is not None, f"gave up at failure {gen}: {st.give_up_reason}"

@@ -61,3 +61,11 @@ def test_api_server_exception_alone_is_not_taken_as_engine_cause_but_is_the_last
 def test_long_lines_are_clipped():
     cause = root_cause(["(EngineCore_DP0 pid=1) ValueError: " + "x" * 5000])
     assert cause is not None and len(cause) == MAX_CHARS and cause.startswith("ValueError: x")
+
+
+def test_only_an_exception_or_error_line_is_certain():
+    from r3090d.core.rootcause import find
+
+    assert find(VLLM_START_FAILURE) == (CAUSE, True)
+    assert find(["INFO 11-30 12:00:01 [x.py:1] starting", "ERROR 11-30 12:00:02 [x.py:2] boom"]) == ("boom", True)
+    assert find(["starting", 'INFO:     127.0.0.1:1 - "GET /metrics HTTP/1.1" 200 OK']) == ('INFO:     127.0.0.1:1 - "GET /metrics HTTP/1.1" 200 OK', False)
