@@ -84,11 +84,11 @@ def tpot_floor(model_dir: str | None, bandwidth_gbs: float | None, card: str | N
 
 def server_itl_reader(url: str, model: str):
     """A function returning vLLM's ITL histogram (sum, count) now, or None if /metrics is unreadable."""
-    import requests
 
     from r3090d.probes import engine as engine_probe
+    from r3090d.probes.http import engine_session
 
-    session = requests.Session()
+    session = engine_session()  # the engine is reached directly, never through a proxy
 
     def read() -> tuple[float, float] | None:
         text, _why = engine_probe.fetch_metrics(session, url, 5.0)

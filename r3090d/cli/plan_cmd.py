@@ -168,11 +168,11 @@ def _config_with_model(config_path, instance, model_path: str):
 
 def read_engine_cache(url: str, timeout: float = 5.0, model_name: str = ""):
     """(EngineCache, None) from a live engine's /metrics, or (None, why)."""
-    import requests
 
     from r3090d.probes import engine as engine_probe
+    from r3090d.probes.http import engine_session
 
-    with requests.Session() as session:
+    with engine_session() as session:  # the engine is reached directly, never through a proxy
         text, why = engine_probe.fetch_metrics(session, url, timeout)
     if text is None:
         return None, why
