@@ -122,7 +122,7 @@ def test_one_holder_suspended_and_resumed_with_healthz_and_state_file_while_susp
     r = rig()
     core = r.ready()
     api = r.d.state()["engine"]["pid"]
-    assert r.d.healthz()[0] == 200
+    assert wait_until(lambda: r.d.healthz()[0] == 200, 10), "/healthz 200"
 
     done = r.ctl("suspend", "--wait")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -149,7 +149,7 @@ def test_one_holder_suspended_and_resumed_with_healthz_and_state_file_while_susp
     assert st["engine"]["phase"] == "ready" and st["engine"]["pid"] == api and st["restarts"]["total"] == 0
     assert st["suspend"]["stage"] is None and st["suspend"]["last"]["result"] == "resumed"
     assert proc_state(core) != "T" and r.card_json()["processes"] == [[core, ENGINE_MIB]]
-    assert r.d.healthz()[0] == 200
+    assert wait_until(lambda: r.d.healthz()[0] == 200, 10), "/healthz back to 200"
     assert not (Path(r.d.sections["daemon"]["state_dir"]) / "suspended.json").exists()
     assert r.driver_calls() == ["lock", "checkpoint", "restore", "unlock"]
     assert "suspend request 1: suspended" in r.d.log() and "resume request 2: resumed" in r.d.log()
@@ -243,7 +243,7 @@ def test_every_suspend_failure(rig):
             st = r.wait_phase("ready")
             assert (st["engine"]["pid"], st["engine"]["generation"], st["restarts"]["total"]) == (api, generation, restarts), conf
             assert wait_until(lambda pid=core: proc_state(pid) != "T", 10), "the engine must run on"
-        assert r.d.healthz()[0] == 200
+        assert wait_until(lambda: r.d.healthz()[0] == 200, 10), "/healthz back to 200"  # the exporter reads the next state write
 
 
 def test_every_resume_failure(rig):
@@ -275,7 +275,7 @@ def test_every_resume_failure(rig):
             st = r.wait_phase("ready")
             assert (st["engine"]["pid"], st["engine"]["generation"], st["restarts"]["total"]) == (api, generation, restarts)
             r.hold((core, ENGINE_MIB))  # the fake left it off the card when its restore "failed"
-        assert r.d.healthz()[0] == 200
+        assert wait_until(lambda: r.d.healthz()[0] == 200, 10), "/healthz back to 200"  # the exporter reads the next state write
 
 
 def test_resume_is_refused_while_another_process_holds_the_memory(rig):
