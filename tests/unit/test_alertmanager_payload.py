@@ -138,7 +138,7 @@ def test_description_is_the_detail_and_a_detail_line_names_the_root_cause():
 
 def _child(gen, alive=True, cause=None):
     return ChildSample(pid=100, alive=alive, started_at=0.0, exit_code=None if alive else 1,
-                       tree_pids=(100,) if alive else (), generation=gen, root_cause=cause)  # fmt: skip
+                       tree_pids=(100,) if alive else (), generation=gen, root_cause=cause, root_cause_certain=cause is not None)  # fmt: skip
 
 
 def _snap(now, ch, health):
