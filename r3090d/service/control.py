@@ -49,6 +49,7 @@ from r3090d.service.control_protocol import (
     socket_path,
     validate,
 )
+from r3090d.service.selectorloop import drain, unregister_and_close
 
 log = logging.getLogger("r3090d.service.control")
 
@@ -420,22 +421,12 @@ class ControlServer:
         self._sel.modify(conn.sock, want, conn.cid)
 
     def _close(self, conn: _Conn) -> None:
-        if self._conns.pop(conn.cid, None) is None:
-            return
-        try:
-            if self._sel is not None:
-                self._sel.unregister(conn.sock)
-        except (KeyError, ValueError, OSError):
-            pass
-        conn.sock.close()
+        if self._conns.pop(conn.cid, None) is not None:
+            unregister_and_close(self._sel, conn.sock)
 
     def _drain_wake(self) -> None:
         assert self._wake_r is not None
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except (BlockingIOError, InterruptedError):
-            pass
+        drain(self._wake_r)
 
 
 def _peer(sock: socket.socket) -> str:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
 
+from r3090d.service.selectorloop import drain, unregister_and_close
+
 log = logging.getLogger("r3090d.service.exporter")
 
 HEADER_TIMEOUT_S = 2.0  # for the whole request head, counted from the connect: bytes that trickle in buy no time
@@ -331,19 +333,9 @@ class _HttpServer:
                 self._close(conn)  # a reply not taken in time, or a client that does not close
 
     def _close(self, conn: _HttpConn) -> None:
-        if self._conns.pop(conn.cid, None) is None:
-            return
-        try:
-            if self._sel is not None:
-                self._sel.unregister(conn.sock)
-        except (KeyError, ValueError, OSError):
-            pass
-        conn.sock.close()
+        if self._conns.pop(conn.cid, None) is not None:
+            unregister_and_close(self._sel, conn.sock)
 
     def _drain_wake(self) -> None:
         assert self._wake_r is not None
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except (BlockingIOError, InterruptedError):
-            pass
+        drain(self._wake_r)
