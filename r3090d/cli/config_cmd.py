@@ -9,7 +9,8 @@ import click
 from r3090d import argv as argvmod
 from r3090d import config as configmod
 from r3090d.cli.common import config_option, ctl, emit_json, instance_option, load_config
-from r3090d.config import ConfigError
+from r3090d.config import ConfigError, steps
+from r3090d.preflight.checks import extra_arg
 
 
 @ctl.group("config")
@@ -32,10 +33,13 @@ def check(config_path, instance, as_json) -> int:
     except argvmod.EngineNotInstalled as exc:
         raise ConfigError(cfg.source, "engine.python", str(exc), "point it at the venv vLLM is installed in (make engine)") from None
     argv = argvmod.build_argv(cfg, version)
-    for warning in cfg.warnings:  # removed keys the file still uses; stderr keeps --json output clean
+    step = _longest_step(cfg)
+    warnings = [*cfg.warnings, *steps.window_warnings(cfg.watchdog, step)]
+    for warning in warnings:  # removed keys, windows too short for the engine's step; stderr keeps --json clean
         click.echo(f"WARN {warning}", err=True)
     if as_json:
-        emit_json({"config": configmod.redacted(cfg), "vllm_version": str(version), "argv": argv})
+        emit_json({"config": configmod.redacted(cfg), "vllm_version": str(version), "argv": argv, "warnings": warnings,
+                   "longest_step": {"seconds": round(step.seconds, 2), "estimate": step.describe()}})  # fmt: skip
         return 0
     click.echo(f"# {cfg.source}: valid")
     click.echo(f"# vLLM {version} at {cfg.engine.python}")
@@ -50,3 +54,28 @@ def check(config_path, instance, as_json) -> int:
     if cfg.api_key:
         click.echo("environment: VLLM_API_KEY=<redacted> (from engine.api_key_file)")
     return 0
+
+
+def _longest_step(cfg) -> steps.StepEstimate:
+    """The longest engine step these settings allow, from extra_args, the profile and the model directory."""
+    from r3090d.measure import modelinfo
+    from r3090d.measure.plan import PlanError, estimate_weights, shape_from_config
+
+    args = cfg.engine.extra_args
+    step_tokens = _int(extra_arg(args, "--max-num-batched-tokens"))
+    profile = cfg.active_profile
+    context = profile.max_model_len if profile is not None else _int(extra_arg(args, "--max-model-len"))
+    params = None
+    model = modelinfo.read_model_dir(cfg.engine.model)
+    if model.config is not None:
+        try:
+            shape = shape_from_config(model.config)
+            context = context or shape.max_position_embeddings
+            params = estimate_weights(shape).params  # logical parameters: a quantized file stores fewer elements
+        except PlanError:
+            params = model.parameter_count  # a family plan cannot count: what the safetensors hold, if read
+    return steps.longest_step(step_tokens, context, params)
+
+
+def _int(raw) -> int | None:
+    return int(raw) if raw is not None and str(raw).isdigit() else None

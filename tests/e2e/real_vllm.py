@@ -110,6 +110,16 @@ class VllmProcess:
         self.log.close()
 
 
+def start_server(engine_python: str, model, log_path: Path, *args: str, env: dict[str, str] | None = None,
+                 startup_timeout: float = 420.0, served_name: str = "tiny") -> VllmProcess:
+    """vLLM's OpenAI server on `model` with CPU_EXTRA_ARGS and these args; the KV size comes from args or env only."""
+    port = free_port()
+    argv = [engine_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", served_name,
+            *CPU_EXTRA_ARGS, "--host", "127.0.0.1", "--port", str(port), *args]  # fmt: skip
+    base = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    return VllmProcess(argv, {**base, **OFFLINE_ENV, **(env or {})}, f"http://127.0.0.1:{port}", log_path, startup_timeout)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
