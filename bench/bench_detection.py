@@ -230,8 +230,8 @@ def report(results: list[Trial], wd: WatchdogConfig) -> bool:
         if tick > 1.0:
             first = math.ceil(wd.hang_timeout / tick) * tick
             print(
-                f"{name} / {eng}: the deciding tick ran {tick:.1f} s before it acted: its /health ({wd.health_timeout:g} s) "
-                f"and /metrics ({wd.metrics_timeout:g} s) requests both timed out. Such ticks also space the hang rule's "
+                f"{name} / {eng}: the deciding tick ran {tick:.1f} s before it acted: its /health request timed out "
+                f"({wd.health_timeout:g} s; /metrics is not asked after that). Such ticks also space the hang rule's "
                 f"checks {tick:.0f} s apart, so hang_timeout {wd.hang_timeout:g} s is first seen met at {first:.0f} s."
             )
         grace = median([t.spawned_s - t.acted_s for t in ts if t.killed_after_grace and t.acted_s is not None and t.spawned_s is not None])

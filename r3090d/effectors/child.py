@@ -28,7 +28,12 @@ from r3090d.core.snapshot import ChildSample
 
 log = logging.getLogger("r3090d.engine")
 
-FAST_STOP_GRACE_S = 3.0  # after SIGTERM to the group, before SIGKILL
+# After SIGTERM to the group, before SIGKILL. A fast stop is for an engine judged
+# hung, frozen or half dead (a drained stop has its own deadline), which cannot act
+# on SIGTERM: every second of grace is a second more of outage. One second still
+# lets a process that can (an orphaned worker, vLLM's resource tracker) remove its
+# shared-memory files before the SIGKILL.
+FAST_STOP_GRACE_S = 1.0
 DRAIN_MARGIN_S = 10.0  # beyond vLLM's --shutdown-timeout before SIGKILL
 REAP_TIMEOUT_S = 15.0  # SIGKILLed processes in D state can take a while to go
 
