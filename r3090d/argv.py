@@ -7,18 +7,26 @@ importing vLLM, which takes seconds); `build_argv()` is pure.
 from __future__ import annotations
 
 import functools
-import re
 import subprocess
 from dataclasses import dataclass
 
-from r3090d.config import NO_PROFILE, Config, ConfigError
+from packaging.version import Version
 
-# When flags appeared and disappeared: (first version that has it, first version without it).
-FLAG_VERSIONS: dict[str, tuple[tuple[int, ...] | None, tuple[int, ...] | None]] = {
-    "--shutdown-timeout": ((0, 18), None),
-    "--num-scheduler-steps": (None, (0, 10, 2)),
-    "--max-seq-len-to-capture": (None, (0, 11)),
-    "--disable-access-log-for-endpoints": ((0, 16), None),
+from r3090d import versions
+from r3090d.config import NO_PROFILE, Config, ConfigError
+from r3090d.engineflags import canonical_flag
+
+# When flags appeared and disappeared: (first version that has it, first version without it),
+# in PEP 440 order, where a release's pre-releases and dev builds come before it: 0.10.2rc1
+# still has --num-scheduler-steps. A bound that a pre-release already crossed names that
+# pre-release (0.16.0rc1 has --disable-access-log-for-endpoints).
+# A flag added in X counts from X's first release candidate, which is cut from
+# the branch that has it; removals are dated by the final release.
+FLAG_VERSIONS: dict[str, tuple[Version | None, Version | None]] = {
+    "--shutdown-timeout": (Version("0.18.0rc1"), None),
+    "--num-scheduler-steps": (None, Version("0.10.2")),
+    "--max-seq-len-to-capture": (None, Version("0.11")),
+    "--disable-access-log-for-endpoints": (Version("0.16.0rc1"), None),
 }
 # uvicorn logs one access line per request, and the daemon polls /health and
 # /metrics every watchdog.poll_interval: without this, those polls would be most
@@ -53,18 +61,24 @@ print(m.group(1) if m else ""); sys.exit(0 if m else 3)
 
 @dataclass(frozen=True)
 class VllmVersion:
-    text: str
-    parts: tuple[int, ...]
+    text: str  # as vLLM reports it, for display: "0.11.0+cpu"
+    version: Version  # for comparisons
+
+    @property
+    def parts(self) -> tuple[int, ...]:
+        """The release numbers alone: (0, 11, 0) for 0.11.0+cpu."""
+        return self.version.release
 
     def __str__(self) -> str:
         return self.text
 
 
 def parse_version(text: str) -> VllmVersion:
-    m = re.match(r"(\d+(?:\.\d+)*)", text.strip())
-    if not m:
+    """vLLM's version string, read by r3090d.versions. Raises ValueError when it is no version."""
+    version = versions.parse_version(text)
+    if version is None:
         raise ValueError(f"unparseable version {text!r}")
-    return VllmVersion(text.strip(), tuple(int(p) for p in m.group(1).split(".")))
+    return VllmVersion(text.strip(), version)
 
 
 class EngineNotInstalled(Exception):
@@ -95,10 +109,10 @@ def _flag_supported(flag: str, version: VllmVersion) -> str | None:
     if flag in NEVER_EXISTED:
         return f"{flag} never existed in any vLLM release"
     added, removed = FLAG_VERSIONS.get(flag, (None, None))
-    if added and version.parts < added:
-        return f"{flag} needs vLLM >= {'.'.join(map(str, added))}, installed is {version}"
-    if removed and version.parts >= removed:
-        return f"{flag} was removed in vLLM {'.'.join(map(str, removed))}, installed is {version}"
+    if added is not None and version.version < added:
+        return f"{flag} needs vLLM >= {added}, installed is {version}"
+    if removed is not None and version.version >= removed:
+        return f"{flag} was removed in vLLM {removed}, installed is {version}"
     return None
 
 
@@ -125,10 +139,10 @@ def build_argv(cfg: Config, version: VllmVersion) -> list[str]:
         ]  # fmt: skip
     for i, arg in enumerate(e.extra_args):
         if arg.startswith("--"):
-            why = _flag_supported(arg.split("=", 1)[0], version)
+            why = _flag_supported(canonical_flag(arg), version)
             if why:
                 raise ConfigError(cfg.source, f"engine.extra_args[{i}]", why, "remove it")
-    user_set = any(arg == ACCESS_LOG_FLAG or arg.startswith(ACCESS_LOG_FLAG + "=") for arg in e.extra_args)
+    user_set = any(arg.startswith("--") and canonical_flag(arg) == ACCESS_LOG_FLAG for arg in e.extra_args)
     if not user_set and _flag_supported(ACCESS_LOG_FLAG, version) is None:
         # One comma-separated value: vLLM parses it as a single string.
         argv += [ACCESS_LOG_FLAG, ",".join(QUIET_ENDPOINTS)]

@@ -10,7 +10,7 @@ from r3090d import argv as argvmod
 from r3090d import config as configmod
 from r3090d.cli.common import config_option, ctl, emit_json, instance_option, load_config
 from r3090d.config import ConfigError, steps
-from r3090d.preflight.checks import extra_arg
+from r3090d.engineflags import flag_value
 
 
 @ctl.group("config")
@@ -62,9 +62,9 @@ def _longest_step(cfg) -> steps.StepEstimate:
     from r3090d.measure.plan import PlanError, estimate_weights, shape_from_config
 
     args = cfg.engine.extra_args
-    step_tokens = _int(extra_arg(args, "--max-num-batched-tokens"))
+    step_tokens = _int(flag_value(args, "--max-num-batched-tokens"))
     profile = cfg.active_profile
-    context = profile.max_model_len if profile is not None else _int(extra_arg(args, "--max-model-len"))
+    context = profile.max_model_len if profile is not None else _int(flag_value(args, "--max-model-len"))
     params = None
     model = modelinfo.read_model_dir(cfg.engine.model)
     if model.config is not None:

@@ -8,7 +8,6 @@ or bad inputs (no model, no GPU size, unreadable config.json); 78 config errors.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import tomllib
 from pathlib import Path
@@ -21,8 +20,15 @@ from r3090d.cards import CARDS, card_for_name
 from r3090d.cli.common import UsageExit, config_option, ctl, emit_json, instance_option, load_config
 from r3090d.config import ConfigError
 from r3090d.core.snapshot import GpuStatus
+from r3090d.engineflags import (
+    VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
+    VLLM_DEFAULT_MAX_NUM_SEQS,
+    flag_switch,
+    flag_value,
+)
 from r3090d.measure import plan as planmod
-from r3090d.measure.plan import GB, GIB, MIB, PlanError
+from r3090d.measure.plan import GB, PlanError
+from r3090d.units import GIB, MIB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,15 +41,15 @@ class ModelInputs:
 
 def read_model(path: str) -> ModelInputs:
     """A model directory (config.json, optional safetensors) or a bare config.json file."""
+    from r3090d.measure import modelinfo
+
     p = Path(path).expanduser()
     if p.is_file():
         try:
-            config = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            config = modelinfo.read_config(p)
+        except modelinfo.ModelConfigError as exc:
             raise UsageExit(f"cannot read {path}: {exc}") from None
         return ModelInputs(_shape(config, path), None, "config.json only", str(p))
-    from r3090d.measure import modelinfo
-
     facts = modelinfo.read_model_dir(p)
     if not facts.is_dir:
         raise UsageExit(f"--model {path}: {facts.error}")
@@ -118,15 +124,6 @@ def resolve_hardware(gpu_memory_gib, bandwidth_gbs, *, need_memory: bool, card: 
             "(an RTX 3090 is --gpu-memory-gib 24 --bandwidth-gbs 936)"
         )
     return planmod.Hardware(memory, bandwidth, ", ".join(sources))
-
-
-def _extra_arg(extra_args: list, flag: str) -> str | None:
-    for i, arg in enumerate(extra_args):
-        if arg == flag and i + 1 < len(extra_args):
-            return extra_args[i + 1]
-        if isinstance(arg, str) and arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
 
 
 def _maybe_config(config_path, instance, model_path: str | None):
@@ -333,15 +330,17 @@ def plan_command(
     model = read_model(model_path)
 
     profile = _profile(cfg, profile_name, model.shape)
+    if enforce_eager is None:
+        enforce_eager = flag_switch(extra, "--enforce-eager")
     settings = planmod.Settings(
         gpu_memory_utilization=gpu_memory_utilization or profile.gpu_memory_utilization,
         max_model_len=max_model_len or profile.max_model_len,
         max_num_seqs=max_num_seqs or profile.max_num_seqs,
-        block_size=block_size or _int_arg(extra, "--block-size") or planmod.DEFAULT_BLOCK_SIZE,
-        kv_cache_dtype=kv_cache_dtype or _extra_arg(extra, "--kv-cache-dtype") or "auto",
-        kv_cache_memory_bytes=kv_cache_memory_bytes or _int_arg(extra, "--kv-cache-memory-bytes"),
-        max_num_batched_tokens=max_num_batched_tokens or _int_arg(extra, "--max-num-batched-tokens") or planmod.DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        enforce_eager=bool(enforce_eager) if enforce_eager is not None else "--enforce-eager" in extra,
+        block_size=block_size or _number_arg(extra, "--block-size") or planmod.DEFAULT_BLOCK_SIZE,
+        kv_cache_dtype=kv_cache_dtype or flag_value(extra, "--kv-cache-dtype") or "auto",
+        kv_cache_memory_bytes=kv_cache_memory_bytes or _number_arg(extra, "--kv-cache-memory-bytes"),
+        max_num_batched_tokens=max_num_batched_tokens or _number_arg(extra, "--max-num-batched-tokens") or planmod.DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        enforce_eager=bool(enforce_eager),
         overhead_bytes=int(overhead_gib * GIB) if overhead_gib is not None else None,
     )
     hardware = resolve_hardware(
@@ -372,10 +371,11 @@ def plan_command(
     return exitcodes.OK
 
 
-def _int_arg(extra: list, flag: str) -> int | None:
-    raw = _extra_arg(extra, flag)
+def _number_arg(extra, flag: str, kind: type[int] | type[float] = int) -> int | float | None:
+    """`flag`'s value in engine.extra_args as vLLM reads it, as a number; None when absent or no number."""
+    raw = flag_value(extra, flag)
     try:
-        return int(raw) if raw is not None else None
+        return kind(raw) if raw is not None else None
     except ValueError:
         return None
 
@@ -384,8 +384,16 @@ def _profile(cfg, name: str | None, shape: planmod.ModelShape) -> configmod.Prof
     profiles = configmod.resolve_profiles(cfg) if cfg else dict(configmod.BUILTIN_PROFILES)
     name = name or (cfg.profile if cfg else "realtime")
     if name == configmod.NO_PROFILE:
-        # vLLM's own defaults: utilization 0.9, the model's full context, 256 sequences.
-        return configmod.Profile(0.90, shape.max_position_embeddings or 4096, 256, True, True)
+        # What engine.extra_args sets, as preflight reads it; else vLLM's own defaults:
+        # utilization 0.9, the model's full context, 256 sequences.
+        extra = cfg.engine.extra_args if cfg else ()
+        return configmod.Profile(
+            _number_arg(extra, "--gpu-memory-utilization", float) or VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
+            _number_arg(extra, "--max-model-len") or shape.max_position_embeddings or 4096,
+            _number_arg(extra, "--max-num-seqs") or VLLM_DEFAULT_MAX_NUM_SEQS,
+            True,
+            True,
+        )
     if name not in profiles:
         raise UsageExit(f"unknown profile {name!r}: use one of {', '.join(sorted(profiles))} or none")
     return profiles[name]

@@ -40,6 +40,7 @@ from r3090d.config.schema import (
     spec_of,
 )
 from r3090d.config.secret import read_api_key, read_secret
+from r3090d.engineflags import canonical_flag
 
 DEFAULT_PATH = Path("/etc/r3090d/r3090d.toml")
 ENV_CONFIG = "R3090D_CONFIG"
@@ -372,7 +373,7 @@ def _validate(cfg: Config, path, *, check_files: bool) -> None:
         raise ConfigError(path, "engine.host", f"{e.host} is not loopback and engine.api_key_file is empty", "set engine.api_key_file, or bind to 127.0.0.1 behind a proxy")
     for i, arg in enumerate(e.extra_args):  # strings: checked with the schema
         key = f"engine.extra_args[{i}]"
-        flag = arg.split("=", 1)[0]
+        flag = canonical_flag(arg)  # as vLLM reads it: --max_model_len is --max-model-len
         if flag == "--disable-log-stats":
             raise ConfigError(path, key, "--disable-log-stats removes every vllm: metric and blinds the watchdog", "remove it")
         if flag in _OWNED_FLAGS:

@@ -11,8 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from r3090d.core.snapshot import CLOCK_EVENT_REASONS as NVML_CLOCK_EVENT_REASONS
-
-MIB = 1024 * 1024
+from r3090d.units import MIB as MIB  # re-exported by r3090d.config
 
 # Linux limits: a path component (NAME_MAX) and a whole path (PATH_MAX, with its NUL).
 NAME_MAX = 255

@@ -24,15 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from r3090d.config.schema import WatchdogConfig
+from r3090d.engineflags import VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 REFERENCE_STEP_S = 2.0
 REFERENCE_TOKENS = 2048
 REFERENCE_PARAMS = 7.6e9
 REFERENCE_CONTEXT = 32768
 ATTENTION_SHARE = 0.47  # of the reference step: 4 x layers x hidden x tokens x context FLOPs against 2 x params x tokens
-# vLLM's step budget for its API server on a card under 70 GiB (a 3090's 24 GB):
-# EngineArgs.get_batch_defaults in vLLM 0.32.
-VLLM_DEFAULT_STEP_TOKENS = 2048
 MARGIN = 4.0
 
 
@@ -58,7 +56,7 @@ def estimate_step(step_tokens: int, params: float, context: int) -> float:
 
 def longest_step(step_tokens: int | None, context: int | None, params: float | None) -> StepEstimate:
     """The estimate for this config; `step_tokens` and `context` as read from extra_args and the profile."""
-    tokens, tokens_source = (step_tokens, "--max-num-batched-tokens") if step_tokens else (VLLM_DEFAULT_STEP_TOKENS, "vLLM's default")
+    tokens, tokens_source = (step_tokens, "--max-num-batched-tokens") if step_tokens else (VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS, "vLLM's default")
     known = params is not None and params > 0
     p, p_source = (params, "the model directory") if known else (REFERENCE_PARAMS, "assumed: Qwen2.5-7B's")
     ctx = context or REFERENCE_CONTEXT

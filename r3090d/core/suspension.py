@@ -38,7 +38,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from r3090d.config import MIB, Config
+from r3090d.config import Config
 from r3090d.core.actions import (
     Action,
     QueryEngineState,
@@ -57,11 +57,12 @@ from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartReason
 from r3090d.effectors.checkpoint import ProcessState
 from r3090d.effectors.suspender import SuspendSample, can_resume, pick_target
 from r3090d.effectors.suspender_worker import Outcome
+from r3090d.engineflags import flag_value
+from r3090d.units import GIB, MIB
 
-GIB = 1024 * MIB
 HOW_TO_RESUME = "r3090ctl resume"
-# The flags that spread the engine over several GPUs, as "--flag N" or "--flag=N".
-PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp")
+# The flags that spread the engine over several GPUs (each with its short alias): their sizes multiply.
+PARALLEL_FLAGS = (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"))
 
 
 class Stage(enum.StrEnum):
@@ -156,21 +157,14 @@ class Move:
 
 def parallel_size(extra_args: list | tuple) -> int:
     """Tensor x pipeline parallel size from engine.extra_args: above 1 the engine has several GPU processes."""
-    sizes = {"tensor": 1, "pipeline": 1}
-    args = [str(a) for a in extra_args]
-    for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        flag = flag.replace("_", "-")  # vLLM's parser takes --tensor_parallel_size too
-        if flag not in PARALLEL_FLAGS:
-            continue
-        if not eq:
-            value = args[i + 1] if i + 1 < len(args) else ""
+    size = 1
+    for flags in PARALLEL_FLAGS:
+        raw = flag_value(extra_args, *flags)
         try:
-            size = int(value)
+            size *= int(raw) if raw is not None else 1
         except ValueError:
-            continue  # vLLM refuses it anyway
-        sizes["tensor" if flag in PARALLEL_FLAGS[:2] else "pipeline"] = size
-    return sizes["tensor"] * sizes["pipeline"]
+            pass  # vLLM refuses it anyway
+    return size
 
 
 def unavailable_here(cfg: Config) -> Refusal | None:

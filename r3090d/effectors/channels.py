@@ -268,16 +268,10 @@ class EmailChannel:
         self.cfg = cfg
         self.max_attempts = cfg.max_attempts
         self.sender = _check_address(source, "alerts.email.sender", cfg.sender)
+        # That an enabled email channel has recipients is checked once, by config loading.
         self.recipients = [
             _check_address(source, f"alerts.email.recipients[{i}]", r) for i, r in enumerate(cfg.recipients)
         ]
-        if not self.recipients:
-            raise ConfigError(
-                source,
-                "alerts.email.recipients",
-                "no recipient is set",
-                'add recipients = ["ops@example.org"]',
-            )
         if cfg.username and cfg.security == "none" and not _is_loopback(cfg.smtp_host):
             raise ConfigError(
                 source,

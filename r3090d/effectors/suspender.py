@@ -26,13 +26,14 @@ from typing import Protocol
 
 from r3090d.effectors.checkpoint import ProcessState, Step
 from r3090d.effectors.suspender_worker import DONE, Command, Line, Op, Outcome
+from r3090d.units import MIB
 
 WORKER_MODULE = "r3090d.effectors.suspender_worker"
 # A checkpoint moves GPU memory to host at 2-3 GB/s (15.3 GB in 6.3-6.9 s on an H200):
 # a 24 GB card takes about 10 s. Past this an operation is reported overdue, not abandoned:
 # its late result still counts, since a late checkpoint still leaves the engine suspended.
 DEFAULT_DEADLINE_S = 120.0
-RESUME_MARGIN_BYTES = 512 * 1024 * 1024  # headroom for the restored process's context and allocator
+RESUME_MARGIN_BYTES = 512 * MIB  # headroom for the restored process's context and allocator
 _MAX_ERROR = 300
 
 

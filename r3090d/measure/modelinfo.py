@@ -1,12 +1,15 @@
 """Facts about a model directory, read without loading the model.
 
-`read_model_dir()` is the only function here that touches the filesystem. It
-reads `config.json`, the safetensors index if there is one, and each
-safetensors file's *header* (8 bytes of length, then a JSON table); tensor
-data is never read, so sizing a 15 GB model costs a few kilobytes of I/O.
+This module only reads files: `read_config()` reads config.json (from a model
+directory or as a bare file), and `read_model_dir()` reads it, the safetensors
+index if there is one, and each safetensors file's *header* (8 bytes of
+length, then a JSON table); tensor data is never read, so sizing a 15 GB
+model costs a few kilobytes of I/O.
 
-The arithmetic over these facts (KV bytes per token, weight estimates for
-a config-only directory, KV capacity) lives in r3090d.measure.plan, which is pure.
+What config.json's keys mean (architecture, dtype, quantization, shapes) is
+decided in one place, r3090d.measure.plan.shape_from_config, which is pure,
+as is the arithmetic over these facts (KV bytes per token, weight estimates
+for a config-only directory, KV capacity).
 
 Which weight files count: with `model.safetensors.index.json` present, only
 the shards its `weight_map` names (some repositories also ship a
@@ -21,6 +24,8 @@ import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from r3090d.measure.plan import architecture_of
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # The safetensors format caps its JSON header at 100 MB; a larger length
@@ -47,10 +52,6 @@ class ModelFacts:
     path: str
     is_dir: bool
     config: dict | None = None  # config.json as parsed, None if absent or unreadable
-    architecture: str | None = None  # config["architectures"][0]
-    torch_dtype: str | None = None  # config["torch_dtype"] (or the newer "dtype")
-    quantized: bool = False  # config.json has a quantization_config
-    quantization_method: str | None = None  # quantization_config["quant_method"], e.g. "awq"
     index_file: str | None = None  # SAFETENSORS_INDEX when present
     index_total_size: int | None = None  # the index's metadata.total_size, as its writer claimed
     weight_files: tuple[WeightFile, ...] = ()
@@ -61,8 +62,34 @@ class ModelFacts:
     error: str | None = None  # every problem found, "; "-joined
     problems: tuple[str, ...] = field(default=(), repr=False)
 
+    @property
+    def architecture(self) -> str | None:
+        """The architecture config.json names, as r3090d.measure.plan reads it; None without a config."""
+        return architecture_of(self.config) if self.config is not None else None
+
 
 # ------------------------------------------------------------------ reading
+
+
+class ModelConfigError(ValueError):
+    """config.json cannot be read; the text names the file and why ("config.json: missing")."""
+
+
+def read_config(path: Path | str) -> dict:
+    """config.json as a dict, from a model directory or a bare config file, at most MAX_CONFIG_BYTES.
+
+    Only reads: its keys are r3090d.measure.plan's to interpret. Raises ModelConfigError.
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    problems: list[str] = []
+    config = _read_json(p, problems, required=True)
+    if problems:
+        raise ModelConfigError(problems[0])
+    if not isinstance(config, dict):
+        raise ModelConfigError(f"{p.name}: not a JSON object")
+    return config
 
 
 class SafetensorsError(ValueError):
@@ -133,22 +160,11 @@ def read_model_dir(path: Path | str) -> ModelFacts:
         why = "does not exist" if not root.exists() else "is not a directory"
         return ModelFacts(path=str(path), is_dir=False, error=f"{path} {why}", problems=(f"{path} {why}",))
 
-    config = _read_json(root / "config.json", problems, required=True)
-    if config is not None and not isinstance(config, dict):
-        problems.append("config.json: not a JSON object")
+    try:
+        config = read_config(root)
+    except ModelConfigError as exc:
+        problems.append(str(exc))
         config = None
-    architecture = torch_dtype = quant_method = None
-    quantized = False
-    if config is not None:
-        archs = config.get("architectures")
-        if isinstance(archs, list) and archs and isinstance(archs[0], str):
-            architecture = archs[0]
-        dtype = config.get("torch_dtype", config.get("dtype"))
-        torch_dtype = dtype if isinstance(dtype, str) else None
-        qc = config.get("quantization_config")
-        quantized = qc is not None
-        if isinstance(qc, dict) and isinstance(qc.get("quant_method"), str):
-            quant_method = qc["quant_method"]
 
     index_file = index_total = None
     shard_names: list[str] | None = None
@@ -189,10 +205,6 @@ def read_model_dir(path: Path | str) -> ModelFacts:
         path=str(path),
         is_dir=True,
         config=config,
-        architecture=architecture,
-        torch_dtype=torch_dtype,
-        quantized=quantized,
-        quantization_method=quant_method,
         index_file=index_file,
         index_total_size=index_total,
         weight_files=tuple(files),

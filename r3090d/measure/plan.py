@@ -23,9 +23,10 @@ import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from r3090d.engineflags import VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS
+from r3090d.units import GIB, MIB
+
 GB = 10**9
-GIB = 1 << 30
-MIB = 1 << 20
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -45,7 +46,7 @@ DTYPE_BYTES = {
 
 # vLLM's default --max-num-batched-tokens for the API server on a GPU under
 # 70 GiB (engine/arg_utils.py): the token count of its memory-profiling pass.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_BATCHED_TOKENS = VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS
 DEFAULT_BLOCK_SIZE = 16
 
 # Decoder families whose weights we can count from config.json alone.
@@ -125,16 +126,27 @@ def parse_quantization(qc: dict | None) -> Quantization | None:
     return Quantization(method, bits, group if isinstance(group, int) else -1)
 
 
-def shape_from_config(config: dict) -> ModelShape:
-    """Read a HF config.json dict. Raises PlanError naming the missing key."""
-    if not isinstance(config, dict):
-        raise PlanError("config.json is not a JSON object")
-    # Multimodal wrappers keep the decoder under text_config.
+def decoder_config(config: dict) -> dict:
+    """The decoder's part of config.json: multimodal wrappers keep it under text_config, the rest on top."""
     if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
         inner = dict(config["text_config"])
         for key in ("torch_dtype", "dtype", "quantization_config", "architectures", "tie_word_embeddings"):
             inner.setdefault(key, config.get(key))
-        config = inner
+        return inner
+    return config
+
+
+def architecture_of(config: dict) -> str | None:
+    """The architecture config.json names first (e.g. "Qwen2ForCausalLM"), or None."""
+    archs = decoder_config(config).get("architectures")
+    return str(archs[0]) if isinstance(archs, list) and archs else None
+
+
+def shape_from_config(config: dict) -> ModelShape:
+    """Read a HF config.json dict: the one interpreter of its keys. Raises PlanError naming the missing key."""
+    if not isinstance(config, dict):
+        raise PlanError("config.json is not a JSON object")
+    config = decoder_config(config)
     notes: list[str] = []
     layers = _int(config, "num_hidden_layers")
     hidden = _int(config, "hidden_size")
@@ -148,8 +160,7 @@ def shape_from_config(config: dict) -> ModelShape:
         if hidden % heads:
             raise PlanError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}; config.json needs head_dim")
         head_dim = hidden // heads
-    arch_list = config.get("architectures") or []
-    architecture = str(arch_list[0]) if arch_list else "unknown"
+    architecture = architecture_of(config) or "unknown"
     model_type = str(config.get("model_type") or "").lower()
     dtype = config.get("torch_dtype") or config.get("dtype")
     if dtype is None:

@@ -19,16 +19,18 @@ import enum
 import re
 from dataclasses import dataclass
 
+from packaging.version import Version
+
 from r3090d import exitcodes
 from r3090d.cards import CARDS, CardProfile
 from r3090d.config import Config
 from r3090d.core.snapshot import GpuSample, GpuStatus, HostFacts
 from r3090d.core.suspension import unavailable_here
+from r3090d.engineflags import VLLM_DEFAULT_GPU_MEMORY_UTILIZATION, flag_value
 from r3090d.measure.plan import PlanError, estimate_weights, kv_bytes_per_token, shape_from_config
+from r3090d.units import GIB, MIB
+from r3090d.versions import parse_version
 
-MIB = 1024 * 1024
-GIB = 1024 * MIB
-VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # NVML's total differs from the marketing size by a few hundred MiB on some boards.
 CARD_MEMORY_TOLERANCE = 0.03
 # Below this GPU utilization the link generation may legitimately be lowered.
@@ -76,27 +78,6 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def parse_version(text: str | None) -> tuple[int, ...] | None:
-    m = re.match(r"\s*(\d+(?:\.\d+)*)", text or "")
-    return tuple(int(p) for p in m.group(1).split(".")) if m else None
-
-
-def _version_at_least(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
-    n = max(len(have), len(want))
-    return have + (0,) * (n - len(have)) >= want + (0,) * (n - len(want))
-
-
-def extra_arg(args: list | tuple, flag: str) -> str | None:
-    """The value of `flag` in engine.extra_args ("--flag value" or "--flag=value"), last one wins."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif isinstance(arg, str) and arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def _own(pids, own: frozenset[int]) -> list[int]:
     return sorted(p for p in pids if p in own)
 
@@ -132,7 +113,7 @@ def failures(results: list[CheckResult], *, permanent: bool | None = None) -> li
 
 GPU_CHECKS = ("driver", "card", "pcie_width", "pcie_gen", "persistence", "vram", "model_fit", "suspend")
 # r3090ctl suspend: the driver's process checkpoint calls came with 570 (CUDA 12.8).
-SUSPEND_MIN_DRIVER = (570,)
+SUSPEND_MIN_DRIVER = Version("570")
 SUSPEND_MIN_CUDA = 12080
 SUSPEND_HOST_MARGIN = GIB  # host memory beyond the engine's GPU bytes, for the process to go on living
 
@@ -186,13 +167,13 @@ def check_gpu_reading(gpu: GpuSample, cfg: Config) -> CheckResult:
 
 
 def check_driver(gpu: GpuSample, cfg: Config) -> CheckResult:
-    want = parse_version(cfg.gpu.min_driver) or (0,)
+    want = parse_version(cfg.gpu.min_driver) or Version("0")
     have = parse_version(gpu.driver_version)
     expected = f">= {cfg.gpu.min_driver}"
     if have is None:
         return CheckResult("driver", Status.WARN, "version not reported", expected, "check `nvidia-smi`")
     measured = f"{gpu.driver_version} ({_cuda(gpu.cuda_driver_version)})"
-    if not _version_at_least(have, want):
+    if have < want:
         return CheckResult("driver", Status.FAIL, measured, expected, f"install driver {cfg.gpu.min_driver} or newer")
     return CheckResult("driver", Status.OK, measured, expected)
 
@@ -267,7 +248,7 @@ def _gpu_memory_utilization(cfg: Config) -> float:
     profile = cfg.active_profile
     if profile is not None:
         return profile.gpu_memory_utilization
-    raw = extra_arg(cfg.engine.extra_args, "--gpu-memory-utilization")
+    raw = flag_value(cfg.engine.extra_args, "--gpu-memory-utilization")
     try:
         return float(raw) if raw is not None else VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
     except ValueError:
@@ -307,15 +288,18 @@ def check_vram(gpu: GpuSample, cfg: Config, facts: PreflightFacts) -> CheckResul
 def check_suspend(gpu: GpuSample, facts: PreflightFacts, cfg: Config) -> CheckResult:
     """Whether `r3090ctl suspend` can work here: a note (SKIP) when it cannot, never a failure;
     a warning when the checkpoint would fit only with swap (resume would crawl)."""
-    expected = f"driver >= {SUSPEND_MIN_DRIVER[0]}, host memory for the engine's GPU memory + {_gib(SUSPEND_HOST_MARGIN)}"
+    expected = f"driver >= {SUSPEND_MIN_DRIVER}, host memory for the engine's GPU memory + {_gib(SUSPEND_HOST_MARGIN)}"
     refusal = unavailable_here(cfg)
     if refusal is not None:
         return CheckResult("suspend", Status.SKIP, f"suspend unavailable: {refusal.text}", expected)
     version = parse_version(gpu.driver_version)
-    new_enough = _version_at_least(version, SUSPEND_MIN_DRIVER) if version else (gpu.cuda_driver_version or 0) >= SUSPEND_MIN_CUDA
+    if version is not None:
+        new_enough = version >= SUSPEND_MIN_DRIVER
+    else:
+        new_enough = (gpu.cuda_driver_version or 0) >= SUSPEND_MIN_CUDA
     if not new_enough:
         return CheckResult("suspend", Status.SKIP, f"suspend unavailable: driver {gpu.driver_version or '?'} ({_cuda(gpu.cuda_driver_version)}) "
-                           "predates process checkpointing", expected, f"a {SUSPEND_MIN_DRIVER[0]} or newer driver enables it")  # fmt: skip
+                           "predates process checkpointing", expected, f"a {SUSPEND_MIN_DRIVER} or newer driver enables it")  # fmt: skip
     if facts.checkpoint_state is not None and facts.checkpoint_state.startswith("unavailable"):
         return CheckResult("suspend", Status.SKIP, f"suspend {facts.checkpoint_state}", expected)
     own = [p for p in gpu.processes or () if p.pid in facts.own_pids]
@@ -339,7 +323,7 @@ def _max_model_len(cfg: Config, config_max: int | None) -> tuple[int | None, str
     profile = cfg.active_profile
     if profile is not None:
         return profile.max_model_len, "max_model_len"
-    raw = extra_arg(cfg.engine.extra_args, "--max-model-len")
+    raw = flag_value(cfg.engine.extra_args, "--max-model-len")
     if raw is not None and str(raw).isdigit():
         return int(raw), "--max-model-len"
     return config_max, "max_position_embeddings"  # vLLM's default: the model's own limit
@@ -374,7 +358,7 @@ def check_model_fit(gpu: GpuSample, host: HostFacts, cfg: Config) -> CheckResult
         except PlanError as exc:
             return CheckResult("model_fit", Status.WARN, f"weight size unknown: {exc}", "", "cannot judge the fit before loading")
     max_len, len_source = _max_model_len(cfg, shape.max_position_embeddings)
-    kv_dtype = extra_arg(cfg.engine.extra_args, "--kv-cache-dtype") or "auto"
+    kv_dtype = flag_value(cfg.engine.extra_args, "--kv-cache-dtype") or "auto"
     try:
         per_token = kv_bytes_per_token(shape, kv_dtype)
     except PlanError:

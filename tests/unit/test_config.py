@@ -118,6 +118,56 @@ def test_version_awareness_refuses_missing_flag(tmp_path, model_dir):
 
 
 @pytest.mark.parametrize(
+    "arg, says",
+    [("--max_model_len=4096", "--max-model-len is set by profile"), ("--served_model_name", "--served-model-name is set by r3090d"),
+     ("--disable_log_stats", "--disable-log-stats removes")],
+)  # fmt: skip
+def test_flags_r3090d_owns_are_refused_in_the_underscore_spelling_too(tmp_path, model_dir, arg, says):
+    # vLLM reads --max_model_len as --max-model-len: it would fight the profile just the same.
+    with pytest.raises(ConfigError) as err:
+        configmod.load(write(tmp_path, base(model_dir, f'extra_args = ["{arg}"]')))
+    assert err.value.key == "engine.extra_args[0]" and says in err.value.one_line()
+
+
+def test_email_without_recipients_is_a_config_error(tmp_path, model_dir):
+    with pytest.raises(ConfigError) as err:
+        configmod.load(write(tmp_path, base(model_dir, rest="[alerts.email]\nenabled = true\n")))
+    assert err.value.key == "alerts.email.recipients" and "no recipient is set" in err.value.one_line()
+
+
+@pytest.mark.parametrize(
+    "version, accepted",
+    [("0.9.2", True), ("0.10.2rc1", True), ("0.10.2.dev45+g1234abc", True), ("0.10.2", False), ("0.10.2+cpu", False),
+     ("0.10.2.post1", False), ("0.11.0+cpu", False)],
+)  # fmt: skip
+def test_a_removed_flag_is_judged_in_pep_440_order(tmp_path, model_dir, version, accepted):
+    # FLAG_VERSIONS names 0.10.2 as the first release without --num-scheduler-steps; its
+    # pre-releases and dev builds come before it, so they still have the flag.
+    body = base(model_dir, 'shutdown_timeout = 0\nextra_args = ["--num-scheduler-steps", "8"]')
+    cfg = configmod.load(write(tmp_path, body))
+    if accepted:
+        assert "--num-scheduler-steps" in argvmod.build_argv(cfg, argvmod.parse_version(version))
+    else:
+        with pytest.raises(ConfigError, match="removed in vLLM 0.10.2"):
+            argvmod.build_argv(cfg, argvmod.parse_version(version))
+
+
+@pytest.mark.parametrize(
+    "text, shown, release",
+    [("0.10.2rc1", "0.10.2rc1", (0, 10, 2)), (" 0.11.0+cpu\n", "0.11.0+cpu", (0, 11, 0)), ("0.6.3.post1", "0.6.3.post1", (0, 6, 3))],
+)  # fmt: skip
+def test_the_vllm_version_keeps_its_text_for_display(text, shown, release):
+    version = argvmod.parse_version(text)
+    assert str(version) == shown and version.parts == release
+
+
+@pytest.mark.parametrize("garbage", ["", "vllm", "latest", "0.10.x"])
+def test_an_unreadable_vllm_version_is_an_error(garbage):
+    with pytest.raises(ValueError, match="unparseable version"):
+        argvmod.parse_version(garbage)
+
+
+@pytest.mark.parametrize(
     "version, quieted",
     [("0.15.1", False), ("0.16.0", True), ("0.16.0rc1", True), ("0.31.2", True), ("0.32.0", True)],
 )

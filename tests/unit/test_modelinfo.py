@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from r3090d.measure.modelinfo import SAFETENSORS_INDEX, read_model_dir, read_safetensors_header
+from r3090d.measure import modelinfo
+from r3090d.measure.modelinfo import (
+    SAFETENSORS_INDEX,
+    ModelConfigError,
+    read_config,
+    read_model_dir,
+    read_safetensors_header,
+)
+from r3090d.measure.plan import Quantization, shape_from_config
 
 ELEMENT_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I8": 1, "U8": 1}
 QWEN_CONFIG = json.loads((Path(__file__).parents[1] / "data" / "qwen2.5-7b-config.json").read_text())
@@ -64,9 +72,9 @@ def test_single_file_sums_the_header_spans(tmp_path):
     assert f.tensor_count == 4 and f.parameter_count == 1600 + 16 + 32 + 4
     assert dict(f.bytes_by_dtype) == {"BF16": 3200, "F32": 64, "I32": 128, "F16": 8}
     assert [(w.name, w.format, w.tensor_bytes) for w in f.weight_files] == [("model.safetensors", "safetensors", n)]
-    assert f.architecture == "Qwen2ForCausalLM" and f.torch_dtype == "bfloat16"
-    assert f.config["num_key_value_heads"] == 4
-    assert not f.quantized and f.quantization_method is None and f.index_file is None
+    assert f.architecture == "Qwen2ForCausalLM" and f.index_file is None
+    shape = shape_from_config(f.config)  # the one reading of config.json's keys
+    assert shape.num_kv_heads == 4 and shape.torch_dtype == "bfloat16" and shape.quantization is None
 
 
 def test_tensor_data_is_never_read(tmp_path):
@@ -163,11 +171,41 @@ def test_missing_and_corrupt_config(tmp_path):
 
 
 def test_quantized_and_newer_dtype_key(tmp_path):
-    config = {"architectures": ["LlamaForCausalLM"], "dtype": "float16", "quantization_config": {"quant_method": "awq", "bits": 4}}
+    config = {k: v for k, v in QWEN_CONFIG.items() if k != "torch_dtype"}
+    config |= {
+        "architectures": ["LlamaForCausalLM"],
+        "dtype": "float16",
+        "quantization_config": {"quant_method": "awq", "bits": 4},
+    }
     f = read_model_dir(model_dir(tmp_path, config))
-    assert f.quantized and f.quantization_method == "awq" and f.torch_dtype == "float16"
-    assert f.architecture == "LlamaForCausalLM"
     assert f.weight_files == () and f.weight_bytes is None and f.error is None
+    shape = shape_from_config(f.config)
+    assert shape.quantization == Quantization("awq", 4, -1) and shape.torch_dtype == "float16"
+    assert shape.architecture == f.architecture == "LlamaForCausalLM"
+
+
+def test_a_bare_config_file_reads_as_its_directory_does(tmp_path, monkeypatch):
+    d = model_dir(tmp_path)
+    assert read_config(d) == read_config(d / "config.json") == QWEN_CONFIG
+    for text, problem in [
+        ("{not json", "config.json: not valid JSON"),
+        ("[1, 2]", "config.json: not a JSON object"),
+        ("null", "config.json: not a JSON object"),
+    ]:
+        (d / "config.json").write_text(text)
+        for path in (d, d / "config.json"):
+            with pytest.raises(ModelConfigError, match=problem):
+                read_config(path)
+        assert problem in read_model_dir(d).error
+    (d / "config.json").write_text(json.dumps(QWEN_CONFIG))
+    # The one cap, for a directory and a bare file alike.
+    monkeypatch.setattr(modelinfo, "MAX_CONFIG_BYTES", 100)
+    for path in (d, d / "config.json"):
+        with pytest.raises(ModelConfigError, match="config.json: larger than 100 bytes"):
+            read_config(path)
+    (d / "config.json").unlink()
+    with pytest.raises(ModelConfigError, match="config.json: missing"):
+        read_config(d)
 
 
 def test_other_weight_formats_are_listed_but_not_summed(tmp_path):

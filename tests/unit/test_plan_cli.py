@@ -8,12 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from r3090d import config as configmod
 from r3090d.cli import plan_cmd
 from r3090d.cli.common import ctl, run_click
 from r3090d.config import loading as config_loading
+from r3090d.core.snapshot import GpuSample, GpuStatus, HostFacts
+from r3090d.measure import modelinfo
+from r3090d.measure.modelinfo import read_model_dir
+from r3090d.preflight.checks import check_model_fit
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 QWEN_CONFIG = DATA / "qwen2.5-7b-config.json"
+GIB = 1024**3
 
 
 @pytest.fixture(autouse=True)
@@ -169,3 +175,93 @@ def test_measured_weights_come_from_the_safetensors_headers(capsys, qwen_dir):
     assert data["primary"]["weight_bytes"] == 1000 * 500 * 4 + 1000 * 500 * 2
     assert data["primary"]["weight_source"].startswith("measured") and "2 file(s)" in data["primary"]["weight_source"]
     assert data["primary"]["tpot_floor_s"] == pytest.approx(3_000_000 / 936e9)
+
+
+# ------------------------------------------- plan and preflight read alike
+
+
+def plan_and_fit(capsys, tmp_path, model, extra_args=(), profile="realtime"):
+    """`r3090ctl plan --json` and preflight's model_fit for the same config and model directory."""
+    cfg_path = tmp_path / "r3090d.toml"
+    extra = json.dumps(list(extra_args))
+    cfg_path.write_text(
+        f'profile = "{profile}"\n[engine]\nmodel = "{model}"\nport = 9\nextra_args = {extra}\n'
+    )
+    code, out, err = run(
+        capsys, "--config", cfg_path, "--gpu-memory-gib", 24, "--bandwidth-gbs", 936, "--json"
+    )
+    assert code == 0, err
+    cfg = configmod.load(cfg_path, check_files=False)
+    gpu = GpuSample(status=GpuStatus.OK, memory_total=24 * GIB)
+    return json.loads(out), check_model_fit(gpu, HostFacts(model=read_model_dir(model)), cfg)
+
+
+def kv_text(planned: dict) -> str:
+    """Preflight's words for the KV cache of one max_model_len sequence, from the plan's figures."""
+    max_len = planned["settings"]["max_model_len"]
+    return f"KV {planned['kv_bytes_per_token'] * max_len / GIB:.2f} GiB for one {max_len}-token sequence"
+
+
+def test_plan_and_preflight_take_the_last_of_a_flag_given_twice(capsys, qwen_dir, tmp_path):
+    # vLLM's parser keeps the last occurrence: fp8 (1 byte a value), not bfloat16 (2).
+    planned, fit = plan_and_fit(
+        capsys, tmp_path, qwen_dir, ["--kv-cache-dtype", "bfloat16", "--kv-cache-dtype=fp8"]
+    )
+    assert planned["settings"]["kv_cache_dtype"] == "fp8"
+    assert planned["kv_bytes_per_token"] == 57_344 // 2
+    assert kv_text(planned) in fit.measured
+
+
+def test_plan_reads_the_last_block_size_in_either_spelling(capsys, qwen_dir, tmp_path):
+    planned, _ = plan_and_fit(
+        capsys, tmp_path, qwen_dir, ["--block-size", "16", "--block_size=32", "--enforce_eager"]
+    )
+    assert planned["settings"]["block_size"] == 32
+    assert planned["settings"]["enforce_eager"] is True
+
+
+def test_plan_and_preflight_judge_a_model_directory_alike(capsys, tmp_path):
+    # A multimodal wrapper, quantized, with the newer "dtype" key: one reading of its architecture, dtype and quantization.
+    text = json.loads(QWEN_CONFIG.read_text())
+    config = {
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "torch_dtype": None,
+        "dtype": "float16",
+        "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128},
+        "text_config": {k: v for k, v in text.items() if k not in ("architectures", "torch_dtype")},
+    }
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    planned, fit = plan_and_fit(capsys, tmp_path, model)
+    facts = read_model_dir(model)
+    assert planned["model"]["architecture"] == facts.architecture == "Qwen2VLForConditionalGeneration"
+    assert (
+        planned["model"]["torch_dtype"] == "float16" and planned["model"]["quantization"]["method"] == "awq"
+    )
+    assert fit.measured.startswith(
+        f"weights {planned['primary']['weight_bytes'] / GIB:.2f} GiB (estimated from config.json)"
+    )
+    assert kv_text(planned) in fit.measured  # float16 KV: 2 bytes a value
+    assert planned["kv_bytes_per_token"] == 57_344
+
+
+def test_a_bare_config_json_is_read_like_a_directorys(capsys, tmp_path, monkeypatch):
+    bare = tmp_path / "config.json"
+    bare.write_text("[1, 2]")
+    for model in (bare, tmp_path):
+        code, _, err = run(capsys, "--model", model, "--gpu-memory-gib", 24, "--bandwidth-gbs", 936)
+        assert code == 64 and "config.json: not a JSON object" in err, err
+    shutil.copy(QWEN_CONFIG, bare)
+    monkeypatch.setattr(modelinfo, "MAX_CONFIG_BYTES", 100)  # the cap holds for a bare file too
+    for model in (bare, tmp_path):
+        code, _, err = run(capsys, "--model", model, "--gpu-memory-gib", 24, "--bandwidth-gbs", 936)
+        assert code == 64 and "config.json: larger than 100 bytes" in err, err
+
+
+def test_without_a_profile_plan_and_preflight_take_the_engine_flags(capsys, qwen_dir, tmp_path):
+    extra = ["--max-model-len", "4096", "--gpu_memory_utilization=0.8"]
+    planned, fit = plan_and_fit(capsys, tmp_path, qwen_dir, extra, profile="none")
+    settings = planned["settings"]
+    assert settings["max_model_len"] == 4096 and settings["gpu_memory_utilization"] == 0.8
+    assert kv_text(planned) in fit.measured and fit.expected.startswith("<= 0.8 x ")

@@ -38,7 +38,7 @@ RTX3090 = GpuSample(
     persistence_mode=False,
     processes=(),
 )
-QWEN_DIR = ModelFacts(path="/models/qwen", is_dir=True, config=QWEN_7B, architecture="Qwen2ForCausalLM", torch_dtype="bfloat16")
+QWEN_DIR = ModelFacts(path="/models/qwen", is_dir=True, config=QWEN_7B)
 HOST = HostFacts(
     swap_total_bytes=0,
     swappiness=1,
@@ -125,7 +125,8 @@ def test_gpu_not_required_skips_gpu_checks():
 @pytest.mark.parametrize(
     "version, minimum, status",
     [("535.183.01", "535.0", Status.OK), ("535.0", "535.0", Status.OK), ("470.256.02", "535.0", Status.FAIL),
-     ("550.54.14", "550.54.15", Status.FAIL), ("580.159.04", "535", Status.OK), (None, "535.0", Status.WARN)],
+     ("550.54.14", "550.54.15", Status.FAIL), ("580.159.04", "535", Status.OK), (None, "535.0", Status.WARN),
+     ("580.65.06", "580", Status.OK), ("535.288.01", "570", Status.FAIL), ("N/A", "535.0", Status.WARN)],
 )  # fmt: skip
 def test_driver_minimum(version, minimum, status):
     r = results(facts(gpu={"driver_version": version}), cfg(gpu={"min_driver": minimum}))["driver"]

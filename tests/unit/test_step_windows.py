@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 import dataclasses
+
+import pytest
 
 from r3090d.config import WatchdogConfig, steps
 
@@ -27,7 +27,7 @@ def test_the_step_grows_with_tokens_per_step_parameters_and_context():
 
 def test_shipped_windows_hold_for_the_default_step_of_a_7b_model():
     step = steps.longest_step(None, 32768, 7.6e9)
-    assert step.step_tokens == steps.VLLM_DEFAULT_STEP_TOKENS and step.step_tokens_source == "vLLM's default"
+    assert step.step_tokens == steps.VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS and step.step_tokens_source == "vLLM's default"
     assert steps.window_warnings(cfg(), step) == []
 
 
