@@ -5,9 +5,10 @@
 
 The double produces one token per running request every --delay seconds, so
 the picture shows the client, not a GPU: TPOT should stay at the delay and
-throughput should grow with the number of streams. docs/bench-sweep.png is made
-with this script's defaults, under `nice -n -5` so that other work on a small
-machine does not starve the double's engine mid-round.
+throughput should grow with the number of streams. The prompts are 64 tokens by
+the double's /tokenize. docs/bench-sweep.png is made with this script's
+defaults, under `nice -n -5` so that other work on a small machine does not
+starve the double's engine mid-round.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--json", help="also keep the results here")
+    ap.add_argument("--json", help="also keep the results here (per level under `vllm bench serve`'s keys)")
     args = ap.parse_args()
     # SIGTERM too must reach the finally below, or the double outlives us in its own session.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

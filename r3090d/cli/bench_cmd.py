@@ -4,6 +4,11 @@ Exit codes: 0 every measured request succeeded; 1 the run finished but some
 requests failed (the reasons are in the output); 64 bad input (options, wrong
 model, rejected API key, missing matplotlib for --plot); 69 the engine cannot
 be reached or does not serve.
+
+Prompts are made before the first timed request: each one `--prompt-tokens`
+tokens long by the server's POST /tokenize, or that many words where the
+server has none. The JSON (--json, --output) uses `vllm bench serve`'s keys
+per level; measure/bench_result.py and the README's bench section map them.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import click
 
 from r3090d import exitcodes
 from r3090d.cli.common import UsageExit, config_option, ctl, instance_option
-from r3090d.measure import loadgen
+from r3090d.measure import bench_result, loadgen, tokenize_client
 from r3090d.measure.plan import GB
+from r3090d.measure.prompts import PromptUnit
 
 EX_UNAVAILABLE = loadgen.EX_UNAVAILABLE
 
@@ -105,11 +111,12 @@ def server_itl_reader(url: str, model: str):
 class Progress:
     """One line on stderr: level, round, requests done / total, failures."""
 
-    def __init__(self, total: int, enabled: bool):
+    def __init__(self, total: int, enabled: bool, stage: str = "warmup"):
         self.total, self.done, self.failed = total, 0, 0
         self.enabled = enabled
-        self.stage = "warmup"
+        self.stage = stage
         self.last_draw = 0.0
+        self.drawn = False
 
     def level(self, concurrency: int, round_index: int) -> None:
         self.stage = f"c={concurrency} round {round_index + 1}"
@@ -120,11 +127,15 @@ class Progress:
         self.failed += not result.ok
         self.draw()
 
+    def step_done(self) -> None:
+        self.done += 1
+        self.draw()
+
     def draw(self, force: bool = False) -> None:
         now = time.monotonic()
         if not self.enabled or (not force and now - self.last_draw < 0.1 and self.done < self.total):
             return
-        self.last_draw = now
+        self.last_draw, self.drawn = now, True
         width = 30
         filled = int(width * self.done / max(self.total, 1))
         bar = "#" * filled + "-" * (width - filled)
@@ -133,14 +144,26 @@ class Progress:
         sys.stderr.flush()
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and self.drawn:  # a bar that never started (no /tokenize) leaves no line
             self.draw(force=True)
             sys.stderr.write("\n")
             sys.stderr.flush()
 
 
 def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.1f}"
+    return "-" if v is None else f"{v:.1f}"
+
+
+def prompt_note(stats: dict) -> str:
+    """How long the prompts are, as the table's header says it."""
+    if stats["unit"] == PromptUnit.WORDS.value:
+        return f"prompt ~{stats['wanted']} words (the server has no /tokenize)"
+    if stats["exact"] == stats["prompts"]:
+        return f"prompt {stats['wanted']} tokens (exact, via /tokenize)"
+    return (
+        f"prompt {stats['wanted']} tokens via /tokenize, {stats['prompts'] - stats['exact']} of {stats['prompts']} "
+        f"not exact ({stats['shortest']}..{stats['longest']})"
+    )
 
 
 def render(result: dict) -> None:
@@ -148,7 +171,7 @@ def render(result: dict) -> None:
     t = result["target"]
     echo(
         f"{t['url']}{'/v1/chat/completions' if t['chat'] else '/v1/completions'}  model {t['model']}  "
-        f"max_tokens {t['max_tokens']}  ignore_eos {t['ignore_eos']}  prompt ~{result['plan']['prompt_words']} words"
+        f"max_tokens {t['max_tokens']}  ignore_eos {t['ignore_eos']}  {prompt_note(result['prompts'])}"
     )
     echo(f"{result['plan']['rounds']} round(s) per level, median shown; warmup {result['plan']['warmup']} request(s)")
     floor = result.get("floor")
@@ -158,24 +181,24 @@ def render(result: dict) -> None:
     rows = []
     for lv in result["levels"]:
         rows.append([
-            str(lv["concurrency"]), str(lv["completed"]), str(lv["failed"]),
-            _ms(lv["ttft"]["p50"]), _ms(lv["ttft"]["p99"]),
-            _ms(lv["tpot"]["mean"]), _ms(lv["tpot"]["p50"]), _ms(lv["tpot"]["p90"]), _ms(lv["tpot"]["p99"]),
-            _ms(lv["itl"]["p50"]), _ms(lv["itl"]["p99"]),
-            f"{lv['output_tok_s']:.1f}", f"{lv['requests_s']:.2f}",
+            str(lv["max_concurrency"]), str(lv["completed"]), str(lv["failed"]),
+            _ms(lv["median_ttft_ms"]), _ms(lv["p99_ttft_ms"]),
+            _ms(lv["mean_tpot_ms"]), _ms(lv["median_tpot_ms"]), _ms(lv["p90_tpot_ms"]), _ms(lv["p99_tpot_ms"]),
+            _ms(lv["median_itl_ms"]), _ms(lv["p99_itl_ms"]),
+            f"{lv['output_throughput']:.1f}", f"{lv['request_throughput']:.2f}",
             "-" if lv["mbu"] is None else f"{lv['mbu'] * 100:.0f}%",
-            _ms(lv["server_itl_mean_s"]),
+            _ms(lv["server_itl_mean_ms"]),
         ])  # fmt: skip
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     echo("latencies in ms; TPOT leaves the first token out; vLLM ITL is the server's own mean over the same rounds")
     for r in [head, *rows]:
         echo("  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)))
     for lv in result["levels"]:
-        for reason, count in lv["failures"].items():
-            echo(f"c={lv['concurrency']}: {count} failed: {reason}")
+        for reason, count in lv["failures_by_reason"].items():
+            echo(f"c={lv['max_concurrency']}: {count} failed: {reason}")
         mean_out = lv.get("output_tokens_mean")
         if mean_out is not None and t["ignore_eos"] and abs(mean_out - t["max_tokens"]) > 0.5:
-            echo(f"c={lv['concurrency']}: outputs averaged {mean_out:.1f} tokens, not {t['max_tokens']}: the server ignored ignore_eos")
+            echo(f"c={lv['max_concurrency']}: outputs averaged {mean_out:.1f} tokens, not {t['max_tokens']}: the server ignored ignore_eos")
     c = result["client"]
     echo(f"client CPU: {c['cpu_user_s']:.2f} s user + {c['cpu_system_s']:.2f} s system over {c['wall_s']:.1f} s")
 
@@ -187,13 +210,13 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     levels = result["levels"]
-    conc = [lv["concurrency"] for lv in levels]
+    conc = [lv["max_concurrency"] for lv in levels]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     highest = 0.0
-    for key, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
-        ms = [None if lv["tpot"][key] is None else lv["tpot"][key] * 1000 for lv in levels]
+    for stat, label, style in (("median", "p50", "o-"), ("p90", "p90", "s--"), ("p99", "p99", "^:")):
+        ms = [lv[f"{stat}_tpot_ms"] for lv in levels]
         highest = max([highest, *(v for v in ms if v is not None)])
-        ax1.plot(conc, ms, style, label=f"TPOT {key}")
+        ax1.plot(conc, ms, style, label=f"TPOT {label}")
     floor = (result.get("floor") or {}).get("tpot_floor_s")
     if floor:
         ax1.axhline(floor * 1000, color="grey", linewidth=1, label="floor (weights / bandwidth)")
@@ -205,7 +228,7 @@ def plot(result: dict, path: str) -> None:
     ax1.set_title("TPOT (first token left out)")
     ax1.set_ylim(0, highest * 1.25 if highest > 0 else None)
     ax1.legend()
-    ax2.plot(conc, [lv["output_tok_s"] for lv in levels], "o-", color="tab:green")
+    ax2.plot(conc, [lv["output_throughput"] for lv in levels], "o-", color="tab:green")
     ax2.set_xscale("log", base=2)
     ax2.set_xticks(conc, [str(c) for c in conc])
     ax2.set_xlabel("concurrent streams")
@@ -226,7 +249,10 @@ def plot(result: dict, path: str) -> None:
 @instance_option
 @click.option("--concurrency", "levels", default="1,4,8,16,32", show_default=True, callback=_levels, help="comma-separated levels")
 @click.option("--requests", "requests_per_round", type=click.IntRange(min=1), help="requests per round (default 4 x concurrency, at least 8)")
-@click.option("--prompt-tokens", type=click.IntRange(min=1), default=128, show_default=True, help="prompt length in words (about one token each); the real count is reported")
+@click.option(
+    "--prompt-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+    help="prompt length in tokens, made exact through the server's /tokenize (in words where it has none); usage's count is reported",
+)  # fmt: skip
 @click.option("--max-tokens", type=click.IntRange(min=2), default=128, show_default=True, help="output tokens per request")
 @click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True, help="requests before measuring")
 @click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True, help="rounds per level; the median is reported")
@@ -247,7 +273,14 @@ def bench_command(
     url, model, config_path, instance, levels, requests_per_round, prompt_tokens, max_tokens, warmup, rounds,
     api_key_env, chat, no_ignore_eos, timeout_s, model_dir, bandwidth_gbs, json_path, output_path, plot_path, progress,
 ) -> int:  # fmt: skip
-    """Stream requests at each concurrency level; report TTFT, TPOT, ITL percentiles, throughput and MBU."""
+    """Stream requests at each concurrency level; report TTFT, TPOT, ITL percentiles, throughput and MBU.
+
+    The JSON has `vllm bench serve`'s keys per level: completed, failed, duration,
+    total_input_tokens, total_output_tokens, request_throughput, output_throughput,
+    total_token_throughput, max_concurrency, and mean_/median_/std_/p90_/p99_ of
+    ttft, tpot, itl and e2el in ms (median is the p50); r3090d's own figures keep
+    their own names.
+    """
     _check_plot_backend(plot_path)
     cfg = None
     if config_path or os.environ.get("R3090D_CONFIG"):
@@ -280,13 +313,22 @@ def bench_command(
     if not model_dir and cfg and os.path.isdir(os.path.expanduser(cfg.engine.model)):
         model_dir = cfg.engine.model  # the served model's own files give the floor
     floor = tpot_floor(model_dir or None, bandwidth_gbs, cfg.gpu.card if cfg else None, cfg.gpu.index if cfg else 0)
-    bench_plan = loadgen.BenchPlan(levels=levels, requests=requests_per_round, rounds=rounds, warmup=warmup, prompt_words=prompt_tokens)
+    bench_plan = loadgen.BenchPlan(levels=levels, requests=requests_per_round, rounds=rounds, warmup=warmup, prompt_tokens=prompt_tokens)
 
+    show = progress if progress is not None else sys.stderr.isatty()
+    to_stdout = json_path == "-"
+    # A few dozen prompts tokenize in well under a second: no bar for those.
+    tokenizing = Progress(bench_plan.total_requests(), enabled=show and bench_plan.total_requests() >= 32, stage="tokenizing prompts")
     try:
         target = asyncio.run(loadgen.check_target(target))
+        try:
+            prompt_set = asyncio.run(tokenize_client.prepare_prompts(target, bench_plan, on_prompt=tokenizing.step_done))
+        finally:
+            tokenizing.close()
     except loadgen.BenchError as exc:
         raise BenchExit(str(exc), exc.exit_code) from None
-    show = progress if progress is not None else sys.stderr.isatty()
+    if prompt_set.stats.unit is PromptUnit.WORDS and to_stdout:
+        click.echo(f"r3090ctl bench: {prompt_note(prompt_set.stats.to_dict())}", err=True)  # the table says it otherwise
     progress = Progress(bench_plan.total_requests(), enabled=show)
     reader = server_itl_reader(target.url, target.model)
     usage_before = _rusage()
@@ -296,6 +338,7 @@ def bench_command(
             loadgen.run_bench(
                 target,
                 bench_plan,
+                prompt_set,
                 server_itl=reader,
                 on_done=progress.request_done,
                 on_level=progress.level,
@@ -310,7 +353,8 @@ def bench_command(
         "target": {k: v for k, v in asdict(target).items() if k != "api_key"},
         "plan": asdict(bench_plan),
         "floor": floor,
-        "levels": [loadgen.level_to_dict(lv) for lv in level_results],
+        "prompts": prompt_set.stats.to_dict(),
+        "levels": [bench_result.level_result(lv) for lv in level_results],
         "client": {
             "wall_s": wall,
             "cpu_user_s": usage_after[0] - usage_before[0],
@@ -318,7 +362,6 @@ def bench_command(
         },
         "started_at": time.time() - wall,
     }
-    to_stdout = json_path == "-"
     files = [p for p in (output_path, None if to_stdout else json_path) if p]
     text = json.dumps(result, indent=2, sort_keys=True)
     if to_stdout:

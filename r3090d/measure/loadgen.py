@@ -9,9 +9,12 @@ Per request:
 - TPOT: (t_last - t_first) / (n - 1), n output tokens (the first token left out);
 - ITL: the gaps between successive chunks that carried tokens.
 
-Per concurrency level and round: p50/p90/p99 (linear interpolation between
-closest ranks, numpy's default) of each, output tokens/s and requests/s over the
-round's wall time, failures by reason. Across rounds: the median of each figure.
+Per concurrency level and round: mean, standard deviation (population, as
+numpy's default) and p50/p90/p99 (linear interpolation between closest ranks,
+numpy's default) of each, tokens/s and requests/s over the round's wall time,
+failures by reason. Across rounds: the median of each figure.
+
+The prompts are made before the first timed request (`prompts`, `tokenize_client`).
 
 The pure half (percentiles, per-request and per-round arithmetic) is at the top;
 the asyncio + httpx client is below it.
@@ -22,12 +25,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import random
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+from r3090d.measure.prompts import PromptSet
 
 # ------------------------------------------------------------------- statistics
 
@@ -51,6 +55,7 @@ class Dist:
 
     n: int = 0
     mean: float | None = None
+    std: float | None = None  # population standard deviation (numpy's np.std)
     p50: float | None = None
     p90: float | None = None
     p99: float | None = None
@@ -62,6 +67,7 @@ class Dist:
         return cls(
             n=len(values),
             mean=math.fsum(values) / len(values),
+            std=statistics.pstdev(values),
             p50=percentile(values, 50),
             p90=percentile(values, 90),
             p99=percentile(values, 99),
@@ -80,6 +86,7 @@ def median_dist(dists: Sequence[Dist]) -> Dist:
     return Dist(
         n=int(statistics.median(d.n for d in dists)),
         mean=_median([d.mean for d in dists]),
+        std=_median([d.std for d in dists]),
         p50=_median([d.p50 for d in dists]),
         p90=_median([d.p90 for d in dists]),
         p99=_median([d.p99 for d in dists]),
@@ -137,9 +144,11 @@ class RoundSummary:
     failures: dict[str, int]
     wall_s: float
     output_tokens: int
+    prompt_tokens: int  # summed from the usage of the requests that reported it
     output_tokens_mean: float | None
     prompt_tokens_mean: float | None
     output_tok_s: float
+    total_tok_s: float  # prompt and output tokens
     requests_s: float
     ttft: Dist
     tpot: Dist
@@ -172,9 +181,11 @@ def summarize_round(
         failures=dict(failures.most_common()),
         wall_s=wall_s,
         output_tokens=out_tokens,
+        prompt_tokens=sum(prompt),
         output_tokens_mean=(out_tokens / len(ok)) if ok else None,
         prompt_tokens_mean=(sum(prompt) / len(prompt)) if prompt else None,
         output_tok_s=out_tokens / wall_s if wall_s > 0 else 0.0,
+        total_tok_s=(sum(prompt) + out_tokens) / wall_s if wall_s > 0 else 0.0,
         requests_s=len(ok) / wall_s if wall_s > 0 else 0.0,
         ttft=Dist.of([r.ttft_s for r in ok if r.ttft_s is not None]),
         tpot=Dist.of([r.tpot_s for r in ok if r.tpot_s is not None]),
@@ -194,7 +205,11 @@ class LevelSummary:
     completed: int  # summed over rounds
     failed: int
     failures: dict[str, int]
+    wall_s: float  # summed over rounds
+    prompt_tokens: int  # summed over rounds
+    output_tokens: int  # summed over rounds
     output_tok_s: float
+    total_tok_s: float
     requests_s: float
     ttft: Dist
     tpot: Dist
@@ -219,7 +234,11 @@ def summarize_level(rounds: Sequence[RoundSummary], tpot_floor_s: float | None =
         completed=sum(r.completed for r in rounds),
         failed=sum(r.failed for r in rounds),
         failures=dict(failures.most_common()),
+        wall_s=math.fsum(r.wall_s for r in rounds),
+        prompt_tokens=sum(r.prompt_tokens for r in rounds),
+        output_tokens=sum(r.output_tokens for r in rounds),
         output_tok_s=statistics.median(r.output_tok_s for r in rounds),
+        total_tok_s=statistics.median(r.total_tok_s for r in rounds),
         requests_s=statistics.median(r.requests_s for r in rounds),
         ttft=median_dist([r.ttft for r in rounds]),
         tpot=tpot,
@@ -252,27 +271,6 @@ def parse_levels(text: str) -> tuple[int, ...]:
     if not levels:
         raise ValueError("no concurrency level given")
     return tuple(levels)
-
-
-# ----------------------------------------------------------------- prompts
-
-_WORDS = (
-    "the a of and to in is that for it on with as was be by at this from or are "
-    "model server token cache memory card process engine request stream health "
-    "restart alert metric block queue python kernel driver signal hello world "
-    "please answer question quickly slowly today tomorrow yes no river stone "
-    "light green small house water paper table"
-).split()
-
-
-def make_prompts(count: int, words: int, seed: int = 3090) -> list[str]:
-    """Distinct prompts of `words` common words each, so no two share a cached prefix."""
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(count):
-        body = [rng.choice(_WORDS) for _ in range(max(words - 1, 0))]
-        prompts.append(" ".join([f"{i}", *body]))
-    return prompts
 
 
 # --------------------------------------------------------------- the client
@@ -328,7 +326,7 @@ class Target:
         return body
 
 
-def _error_text(status: int, raw: bytes) -> str:
+def error_text(status: int, raw: bytes) -> str:
     try:
         data = json.loads(raw)
         err = data.get("error", data) if isinstance(data, dict) else data
@@ -340,7 +338,7 @@ def _error_text(status: int, raw: bytes) -> str:
     return f"HTTP {status}: {message[:160]}" if message else f"HTTP {status}"
 
 
-def _transport_error(exc: BaseException) -> str:
+def transport_error(exc: BaseException) -> str:
     import httpx
 
     if isinstance(exc, httpx.ConnectError):
@@ -375,7 +373,7 @@ async def stream_request(client, target: Target, prompt: str, max_tokens: int | 
         async with client.stream("POST", target.url + target.endpoint, json=target.body(prompt, max_tokens), headers=target.headers(), timeout=target.timeout_s) as response:
             if response.status_code != 200:
                 raw = await response.aread()
-                return RequestResult(False, _error_text(response.status_code, raw), started, time.perf_counter())
+                return RequestResult(False, error_text(response.status_code, raw), started, time.perf_counter())
             buffer = b""
             async for chunk in response.aiter_raw():
                 now = time.perf_counter()
@@ -434,7 +432,7 @@ async def stream_request(client, target: Target, prompt: str, max_tokens: int | 
                     # to see the end of a chunked body that had already arrived.
                     break
     except (httpx.HTTPError, OSError) as exc:
-        return RequestResult(False, _transport_error(exc), started, time.perf_counter())
+        return RequestResult(False, transport_error(exc), started, time.perf_counter())
     if done is None:
         return RequestResult(False, "stream ended without [DONE]", started, time.perf_counter())
     finished = done
@@ -489,37 +487,47 @@ class BenchPlan:
     requests: int | None  # per round; None: 4 x concurrency, at least 8
     rounds: int = 5
     warmup: int = 10
-    prompt_words: int = 128
+    prompt_tokens: int = 128
     seed: int = 3090
 
     def requests_for(self, concurrency: int) -> int:
         return self.requests if self.requests is not None else max(4 * concurrency, 8)
 
+    def round_sizes(self) -> list[int]:
+        """Requests in each measured round, in the order the rounds run."""
+        return [self.requests_for(c) for c in self.levels for _ in range(self.rounds)]
+
     def total_requests(self) -> int:
-        return self.warmup + sum(self.requests_for(c) * self.rounds for c in self.levels)
+        return self.warmup + sum(self.round_sizes())
 
 
 async def run_bench(
     target: Target,
     plan: BenchPlan,
+    prompt_set: PromptSet,
     *,
     server_itl: Callable[[], tuple[float, float] | None] | None = None,
     on_done: Callable[[RequestResult], None] | None = None,
     on_level: Callable[[int, int], None] | None = None,
     tpot_floor_s: float | None = None,
 ) -> list[LevelSummary]:
-    """Warm up, then each level for `rounds` rounds. `server_itl()` reads vLLM's ITL (sum, count)."""
+    """Warm up, then each level for `rounds` rounds. `server_itl()` reads vLLM's ITL (sum, count).
+
+    `prompt_set` holds every prompt, made beforehand so that no round waits on it.
+    """
+    if [len(p) for p in prompt_set.rounds] != plan.round_sizes() or len(prompt_set.warmup) != plan.warmup:
+        raise ValueError("the prompt set was made for another plan")
     levels: list[LevelSummary] = []
+    round_prompts = iter(prompt_set.rounds)
     async with make_client(max(plan.levels) + 8) as client:
         if plan.warmup:
-            warm_prompts = make_prompts(plan.warmup, plan.prompt_words, seed=plan.seed - 1)
-            await run_round(client, target, warm_prompts, min(plan.warmup, max(plan.levels)), on_done)
+            await run_round(client, target, prompt_set.warmup, min(plan.warmup, max(plan.levels)), on_done)
         for concurrency in plan.levels:
             rounds = []
             for r in range(plan.rounds):
                 if on_level is not None:
                     on_level(concurrency, r)
-                prompts = make_prompts(plan.requests_for(concurrency), plan.prompt_words, seed=plan.seed + 1000 * concurrency + r)
+                prompts = next(round_prompts)
                 before = await asyncio.to_thread(server_itl) if server_itl else None
                 results, wall = await run_round(client, target, prompts, concurrency, on_done)
                 after = await asyncio.to_thread(server_itl) if server_itl else None
@@ -537,11 +545,11 @@ async def check_target(target: Target) -> Target:
         try:
             response = await client.get(target.url + "/v1/models", headers=target.headers(), timeout=10.0)
         except httpx.HTTPError as exc:
-            raise BenchError(f"cannot reach {target.url}: {_transport_error(exc)}", EX_UNAVAILABLE) from None
+            raise BenchError(f"cannot reach {target.url}: {transport_error(exc)}", EX_UNAVAILABLE) from None
         if response.status_code in (401, 403):
-            raise BenchError(f"{target.url} refused the API key ({_error_text(response.status_code, response.content)}): set it in the environment variable named by --api-key-env", EX_USAGE)
+            raise BenchError(f"{target.url} refused the API key ({error_text(response.status_code, response.content)}): set it in the environment variable named by --api-key-env", EX_USAGE)
         if response.status_code != 200:
-            raise BenchError(f"{target.url}/v1/models: {_error_text(response.status_code, response.content)}", EX_UNAVAILABLE)
+            raise BenchError(f"{target.url}/v1/models: {error_text(response.status_code, response.content)}", EX_UNAVAILABLE)
         try:
             served = [m["id"] for m in response.json().get("data", []) if isinstance(m, dict) and "id" in m]
         except (ValueError, AttributeError, TypeError):
@@ -568,6 +576,3 @@ def _replace(target: Target, **changes) -> Target:
 
     return replace(target, **changes)
 
-
-def level_to_dict(level: LevelSummary) -> dict:
-    return asdict(level)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from r3090d.measure import loadgen
+from r3090d.measure import loadgen, prompts
 from r3090d.probes import engine as engine_probe
 
 pytestmark = pytest.mark.component
@@ -63,18 +63,72 @@ def test_tpot_equals_the_token_delay(double, tmp_path):
     floor = result["floor"]["tpot_floor_s"]
     assert floor == pytest.approx(15_231_233_024 / 936e9)  # Qwen2.5-7B bf16 on a 3090, from the plan
     for level in result["levels"]:
-        print(f"c={level['concurrency']}: TPOT p50 {level['tpot']['p50'] * 1000:.2f} ms, mean {level['tpot']['mean'] * 1000:.2f} ms, "
-              f"server ITL {level['server_itl_mean_s'] * 1000:.2f} ms, {level['output_tok_s']:.1f} tok/s")  # fmt: skip
+        print(f"c={level['max_concurrency']}: TPOT median {level['median_tpot_ms']:.2f} ms, mean {level['mean_tpot_ms']:.2f} ms, "
+              f"server ITL {level['server_itl_mean_ms']:.2f} ms, {level['output_throughput']:.1f} tok/s")  # fmt: skip
         assert level["failed"] == 0 and level["completed"] == 8 * 3
         assert level["output_tokens_mean"] == 40  # ignore_eos: fixed lengths
-        assert level["tpot"]["p50"] == pytest.approx(delay, rel=0.02)
+        assert level["total_output_tokens"] == 8 * 3 * 40
+        assert level["median_tpot_ms"] == pytest.approx(delay * 1000, rel=0.02)
         # The client's TPOT and the server's own inter-token latency describe the same gaps
         # (loosely: on a loaded machine the double's HTTP threads deliver with some jitter).
-        assert level["tpot"]["mean"] == pytest.approx(level["server_itl_mean_s"], rel=0.05)
+        assert level["mean_tpot_ms"] == pytest.approx(level["server_itl_mean_ms"], rel=0.05)
         assert len(level["rounds"]) == 3
-        assert level["mbu"] == pytest.approx(floor / level["tpot"]["p50"])
+        assert level["mbu"] == pytest.approx(floor / (level["median_tpot_ms"] / 1000))
     assert "TPOT" in r.stdout and "client CPU" in r.stdout
     assert "Traceback" not in r.stderr
+
+
+def test_prompt_tokens_are_exact_through_tokenize(double, tmp_path):
+    """The double's chat template adds tokens a word count does not see; /tokenize does."""
+    d = double(0.001)
+    for chat in (False, True):
+        out = tmp_path / f"bench-{chat}.json"
+        # 1 + 2 x 16 = 33 prompts: enough for the tokenizing step to show its progress.
+        r = bench("--url", d.url, "--concurrency", "4", "--requests", 16, "--rounds", 2, "--warmup", 1, "--max-tokens", 4,
+                  "--prompt-tokens", 37, "--progress", *(["--chat"] if chat else []), "--json", out)  # fmt: skip
+        assert r.returncode == 0, r.stdout + r.stderr
+        result = json.loads(out.read_text())
+        assert result["prompts"] == {"wanted": 37, "unit": "tokens", "prompts": 33, "exact": 33, "shortest": 37, "longest": 37}
+        (level,) = result["levels"]
+        # Measured from the completions' usage, not from what /tokenize said.
+        assert level["prompt_tokens_mean"] == 37
+        assert [rnd["total_input_tokens"] for rnd in level["rounds"]] == [16 * 37, 16 * 37]
+        assert level["total_input_tokens"] == 2 * 16 * 37
+        assert "prompt 37 tokens (exact, via /tokenize)" in r.stdout
+        assert "tokenizing prompts" in r.stderr and "33/33" in r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_without_tokenize_the_prompt_is_counted_in_words(double, tmp_path):
+    d = double(0.001, "--fake-no-tokenize")
+    out = tmp_path / "bench.json"
+    r = bench("--url", d.url, "--concurrency", "2", "--requests", 4, "--rounds", 1, "--warmup", 0, "--max-tokens", 4,
+              "--prompt-tokens", 37, "--chat", "--json", out)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(out.read_text())
+    assert result["prompts"]["unit"] == "words" and result["prompts"]["exact"] == 0
+    assert "prompt ~37 words (the server has no /tokenize)" in r.stdout
+    # 37 words in one user message: the double's chat template adds 7 tokens, and usage says so.
+    assert result["levels"][0]["prompt_tokens_mean"] == 37 + 7
+
+
+def test_the_doubles_tokenize_agrees_with_its_usage(double):
+    d = double(0.001)
+    text = "one two three four five"
+    for chat, body in ((False, {"prompt": text}), (True, {"messages": [{"role": "user", "content": text}]})):
+        answer = requests.post(d.url + "/tokenize", json={"model": "fake", **body}, timeout=10)
+        assert answer.status_code == 200, answer.text
+        tokenized = answer.json()
+        assert set(tokenized) == {"count", "max_model_len", "tokens"}
+        assert tokenized["count"] == len(tokenized["tokens"]) and isinstance(tokenized["max_model_len"], int)
+        done = requests.post(d.url + ("/v1/chat/completions" if chat else "/v1/completions"), json={"model": "fake", "max_tokens": 2, **body}, timeout=10)
+        assert done.status_code == 200, done.text
+        assert done.json()["usage"]["prompt_tokens"] == tokenized["count"]
+    bad = requests.post(d.url + "/tokenize", json={"model": "fake", "prompt": 7}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == 400
+    unknown = requests.post(d.url + "/tokenize", json={"model": "nope", "prompt": text}, timeout=10)
+    assert unknown.status_code == 404 and "does not exist" in unknown.json()["error"]["message"]
+    assert requests.get(d.url + "/tokenize", timeout=10).status_code == 405
 
 
 def test_256_streams_from_one_process_keep_up_with_the_engine(double):
@@ -86,7 +140,7 @@ def test_256_streams_from_one_process_keep_up_with_the_engine(double):
 
     async def run():
         async with loadgen.make_client(streams + 8) as client:
-            return await loadgen.run_round(client, target, loadgen.make_prompts(streams, 16), streams)
+            return await loadgen.run_round(client, target, [prompts.word_prompt(i, 16, seed=3090) for i in range(streams)], streams)
 
     cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     results, wall = asyncio.run(run())
@@ -164,7 +218,7 @@ def test_engine_death_mid_run_is_counted_not_raised(double, tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     level = json.loads(out.read_text())["levels"][0]
     assert level["failed"] == 6 and level["completed"] == 0
-    assert any(reason.startswith("error in stream") for reason in level["failures"]), level["failures"]
+    assert any(reason.startswith("error in stream") for reason in level["failures_by_reason"]), level["failures_by_reason"]
     assert "failed:" in r.stdout and "Traceback" not in r.stderr
 
 

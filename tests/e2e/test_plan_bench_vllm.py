@@ -137,16 +137,19 @@ def test_bench_tpot_agrees_with_the_servers_itl(servers, tmp_path):
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(out.read_text())
+    # --prompt-tokens went through vLLM's /tokenize; usage reports the same count.
+    assert result["prompts"]["unit"] == "tokens" and result["prompts"]["exact"] == result["prompts"]["prompts"]
     for level in result["levels"]:
         assert level["failed"] == 0 and level["output_tokens_mean"] == tokens
+        assert level["prompt_tokens_mean"] == 64
         for i, rnd in enumerate(level["rounds"]):
             # The server's deltas cover exactly this round's requests: tokens - 1 gaps each.
             assert rnd["server_itl_count"] == rnd["completed"] * (tokens - 1)
-            print(f"c={level['concurrency']} round {i + 1}: bench mean TPOT {rnd['tpot']['mean'] * 1000:.2f} ms, "
-                  f"vLLM mean ITL {rnd['server_itl_mean_s'] * 1000:.2f} ms ({100 * (rnd['tpot']['mean'] / rnd['server_itl_mean_s'] - 1):+.1f}%), "
-                  f"TTFT p99 {rnd['ttft']['p99'] * 1000:.0f} ms")  # fmt: skip
-        client, server = level["tpot"]["mean"], level["server_itl_mean_s"]
-        print(f"c={level['concurrency']} median of rounds: bench {client * 1000:.2f} ms, vLLM {server * 1000:.2f} ms ({100 * (client / server - 1):+.1f}%)")
+            print(f"c={level['max_concurrency']} round {i + 1}: bench mean TPOT {rnd['mean_tpot_ms']:.2f} ms, "
+                  f"vLLM mean ITL {rnd['server_itl_mean_ms']:.2f} ms ({100 * (rnd['mean_tpot_ms'] / rnd['server_itl_mean_ms'] - 1):+.1f}%), "
+                  f"TTFT p99 {rnd['p99_ttft_ms']:.0f} ms")  # fmt: skip
+        client, server = level["mean_tpot_ms"], level["server_itl_mean_ms"]
+        print(f"c={level['max_concurrency']} median of rounds: bench {client:.2f} ms, vLLM {server:.2f} ms ({100 * (client / server - 1):+.1f}%)")
         assert client == pytest.approx(server, rel=0.05)
 
 

@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--fake-ignore-sigterm", action="store_true")
     f.add_argument("--fake-core-shutdown-wait", type=float, default=5.0, metavar="S")
     f.add_argument("--fake-orphan-linger", type=float, default=120.0, metavar="S")
+    f.add_argument("--fake-no-tokenize", action="store_true", help="answer POST /tokenize as an unknown route (404)")
     return p
 
 
@@ -763,6 +764,7 @@ class Handler(BaseHTTPRequestHandler):
         "/v1/models": {"GET": "models"},
         "/v1/completions": {"POST": "completions"},
         "/v1/chat/completions": {"POST": "chat_completions"},
+        "/tokenize": {"POST": "tokenize"},
         "/fake/state": {"GET": "fake_state"},
         "/fake/requests": {"GET": "fake_requests"},
         "/fake/control": {"POST": "fake_control"},
@@ -842,6 +844,22 @@ class Handler(BaseHTTPRequestHandler):
 
     def route_chat_completions(self):
         self._generate(chat=True)
+
+    def route_tokenize(self):
+        app = self.server.app
+        if app.opts.fake_no_tokenize:
+            self._json(404, {"detail": "Not Found"})  # what a server without the route answers
+            return
+        body = self._body_json()
+        model = body.get("model")
+        if model is not None and model not in app.opts.served_names:
+            raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError")
+        chat = "messages" in body
+        if not chat and not isinstance(body.get("prompt"), str):
+            raise BadRequest("prompt must be a string")  # vLLM's /tokenize takes text, not token ids
+        count = prompt_token_count(body, chat)  # the count usage reports for the same prompt
+        # Stand-in ids: the double has no vocabulary, only a count.
+        self._json(200, {"count": count, "max_model_len": app.opts.max_model_len, "tokens": list(range(count))})
 
     def _generate(self, chat: bool):
         app = self.server.app

@@ -36,6 +36,13 @@ def test_percentile_agrees_with_numpys_default():
             assert loadgen.percentile(data, q) == pytest.approx(float(np.percentile(data, q)), rel=1e-12)
 
 
+def test_std_is_numpys_population_std():
+    rng = random.Random(2)
+    for n in (1, 2, 17, 500):
+        data = [rng.expovariate(20) for _ in range(n)]
+        assert Dist.of(data).std == pytest.approx(float(np.std(data)), rel=1e-12, abs=1e-15)
+
+
 def test_percentile_edges():
     assert loadgen.percentile([], 50) is None
     with pytest.raises(ValueError):
@@ -89,8 +96,9 @@ def test_round_summary():
     s = loadgen.summarize_round(results, concurrency=4, wall_s=2.0, server_itl=(0.6, 20.0))
     assert (s.requests, s.completed, s.failed) == (5, 2, 3)
     assert s.failures == {"HTTP 500: boom": 2, "timeout (ReadTimeout)": 1}
-    assert s.output_tokens == 22
+    assert s.output_tokens == 22 and s.prompt_tokens == 20
     assert s.output_tok_s == pytest.approx(11.0)
+    assert s.total_tok_s == pytest.approx(21.0)
     assert s.requests_s == pytest.approx(1.0)
     assert s.ttft.p50 == pytest.approx(0.2)
     assert s.tpot.mean == pytest.approx(0.03)
@@ -113,7 +121,9 @@ def test_level_takes_the_median_round_and_mbu():
     lv = loadgen.summarize_level(rounds, tpot_floor_s=0.016)
     assert lv.tpot.p50 == pytest.approx(0.020)
     assert lv.output_tok_s == pytest.approx(5 / 2.0)
+    assert lv.total_tok_s == pytest.approx((10 + 5) / 2.0)
     assert lv.completed == 3
+    assert (lv.wall_s, lv.prompt_tokens, lv.output_tokens) == (pytest.approx(6.0), 30, 15)  # summed over rounds
     assert lv.mbu == pytest.approx(0.8)
     assert loadgen.summarize_level(rounds).mbu is None
     with pytest.raises(ValueError):
@@ -135,17 +145,10 @@ def test_parse_levels():
             loadgen.parse_levels(bad)
 
 
-def test_prompts_are_distinct_and_repeatable():
-    a = loadgen.make_prompts(50, 20)
-    assert len(set(a)) == 50
-    assert all(len(p.split()) == 20 for p in a)
-    assert a == loadgen.make_prompts(50, 20)
-    assert a != loadgen.make_prompts(50, 20, seed=1)
-
-
 def test_requests_per_round_default_and_total():
     p = loadgen.BenchPlan(levels=(1, 4, 32), requests=None, rounds=5, warmup=10)
     assert [p.requests_for(c) for c in p.levels] == [8, 16, 128]
+    assert p.round_sizes() == [8] * 5 + [16] * 5 + [128] * 5
     assert p.total_requests() == 10 + 5 * (8 + 16 + 128)
 
 
