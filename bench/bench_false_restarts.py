@@ -333,12 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--scenario", choices=[s.name for s in SCENARIOS], action="append", help="run only this one (repeatable)")
     args = cli.parse_args(argv)
     benchlib.exit_on_sigterm()
-    if not benchlib.long_enabled():
-        print(f"bench_false_restarts skipped: {len(SCENARIOS)} runs of {args.minutes:g} min on the real vLLM; set {benchlib.LONG_ENV}=1 to run it")
-        return 0
-    missing = benchlib.real_engine_missing()
-    if missing:
-        print(f"bench_false_restarts skipped: {missing}")
+    skip = benchlib.long_real_skip("bench_false_restarts", f"{len(SCENARIOS)} runs of {args.minutes:g} min on the real vLLM")
+    if skip:
+        print(skip)
         return 0
     chosen = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
     results = []

@@ -88,12 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--rounds", type=int, default=3)
     args = cli.parse_args(argv)
     benchlib.exit_on_sigterm()
-    if not benchlib.long_enabled():
-        print(f"bench_vs_vllm skipped: {args.rounds} rounds on the real vLLM, about 10 min; set {benchlib.LONG_ENV}=1 to run it")
-        return 0
-    missing = benchlib.real_engine_missing()
-    if missing:
-        print(f"bench_vs_vllm skipped: {missing}")
+    skip = benchlib.long_real_skip("bench_vs_vllm", f"{args.rounds} rounds on the real vLLM, about 10 min")
+    if skip:
+        print(skip)
         return 0
     from tests.e2e.real_vllm import ENGINE_BOUND_ARGS, engine_python_path, start_server
 

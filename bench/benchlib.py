@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from r3090d import config as configmod  # noqa: E402
+from r3090d.effectors import child as engine_child  # noqa: E402
 from tests.daemon_harness import engine_config, write_config  # noqa: E402
 
 SHIPPED_CONFIG = ROOT / "etc" / "r3090d.toml"
@@ -244,34 +245,16 @@ class Daemon:
 
 
 def group_members(pgid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split(b" ", 3)
-        if len(fields) >= 3 and fields[0] not in (b"Z", b"X") and int(fields[2]) == pgid:
-            out.append(int(name))
-    return out
+    return list(engine_child.group_members(pgid))
 
 
 def children_of(parent: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        if int(stat[stat.rfind(b")") + 2 :].split(b" ", 2)[1]) == parent:
-            out.append(int(name))
-    return out
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(parent).children()]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def engine_core_pid(api_pid: int) -> int:
@@ -453,6 +436,14 @@ def real_engine_missing() -> str | None:
     if not (TINY_MODEL / "config.json").exists():
         return f"no tiny model at {TINY_MODEL} (run `make tiny-model`)"
     return None
+
+
+def long_real_skip(name: str, what: str) -> str | None:
+    """Why a long benchmark on the real engine (`what`: its runs and length) is skipped here, or None to run it."""
+    if not long_enabled():
+        return f"{name} skipped: {what}; set {LONG_ENV}=1 to run it"
+    missing = real_engine_missing()
+    return f"{name} skipped: {missing}" if missing else None
 
 
 class VllmLock:

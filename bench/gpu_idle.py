@@ -150,13 +150,9 @@ def cmdline(pid: int) -> str:
 
 
 def group_members(pgid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            st = proc_stat(int(entry.name))
-            if st is not None and st[1] == pgid and st[0] != "Z":
-                out.append(int(entry.name))
-    return sorted(out)
+    from r3090d.effectors.child import group_members as members
+
+    return list(members(pgid))
 
 
 def ours(pid: int) -> bool:
