@@ -27,7 +27,8 @@ from r3090d.engineflags import (
     flag_value,
 )
 from r3090d.measure import plan as planmod
-from r3090d.measure.plan import GB, PlanError
+from r3090d.measure import plancheck
+from r3090d.measure.plan import GB, KvBasis, PlanError
 from r3090d.units import GIB, MIB
 
 
@@ -176,7 +177,7 @@ def read_engine_cache(url: str, timeout: float = 5.0, model_name: str = ""):
     sample = engine_probe.parse(text, model_name)
     if not sample.cache_config:
         return None, sample.error or "no vllm:cache_config_info in /metrics"
-    return planmod.engine_cache_from_labels(dict(sample.cache_config)), None
+    return plancheck.engine_cache_from_labels(dict(sample.cache_config)), None
 
 
 # ------------------------------------------------------------------ rendering
@@ -197,7 +198,7 @@ def _ms(s: float | None) -> str:
     return f"{s * 1000:.1f} ms" if s >= 0.01 else f"{s * 1000:.3f} ms"
 
 
-def plan_to_dict(plan: planmod.Plan, comparison: planmod.Comparison | None, engine_error: str | None, model: ModelInputs) -> dict:
+def plan_to_dict(plan: planmod.Plan, comparison: plancheck.Comparison | None, engine_error: str | None, model: ModelInputs) -> dict:
     data = {
         "model": {"path": model.label, **dataclasses.asdict(plan.shape)},
         "weights_note": model.weight_note,
@@ -206,7 +207,12 @@ def plan_to_dict(plan: planmod.Plan, comparison: planmod.Comparison | None, engi
         "kv_bytes_per_token": plan.kv_bytes_per_token,
         "block_bytes": plan.block_bytes,
         "budget_bytes": plan.budget_bytes,
-        "overhead": {**dataclasses.asdict(plan.overhead), "total": plan.overhead.total},
+        "overhead": {
+            **dataclasses.asdict(plan.overhead),
+            "total": plan.overhead.total,
+            "low_total": plan.overhead.low_total,
+            "high_total": plan.overhead.high_total,
+        },
         "primary": dataclasses.asdict(plan.primary),
         "alternatives": [dataclasses.asdict(c) for c in plan.alternatives],
     }
@@ -238,15 +244,19 @@ def render(plan: planmod.Plan, comparison, engine_error, model: ModelInputs, url
     if s.kv_cache_memory_bytes is None:
         echo(f"Budget         {_gb(plan.budget_bytes)} = total x {s.gpu_memory_utilization:g}")
         echo(f"Overhead       {_gb(plan.overhead.total)}: {plan.overhead.description}")
+        _render_assumptions(plan.overhead)
     echo("")
     columns = [plan.primary, *plan.alternatives]
     head = ["", *[c.scheme + (" (estimate)" if c is not plan.primary else "") for c in columns]]
     rows = [
         ["weights", *[_gb(c.weight_bytes) for c in columns]],
         ["KV memory", *[_gb(c.kv_memory_bytes) for c in columns]],
-        ["KV blocks", *[f"{c.num_blocks:,}" for c in columns]],
-        ["KV tokens", *[f"{c.tokens:,}" for c in columns]],
-        [f"requests of {s.max_model_len} tokens", *[f"{c.max_concurrency:,.2f}" for c in columns]],
+        ["KV blocks", *[f"{c.num_blocks:,}{_ends(c, lambda n: f'{n:,}')}" for c in columns]],
+        ["KV tokens", *[f"{c.tokens:,}{_ends(c, lambda n: f'{n * s.block_size:,}')}" for c in columns]],
+        [
+            f"requests of {s.max_model_len} tokens",
+            *[f"{c.max_concurrency:,.2f}{_ends(c, lambda n: f'{planmod.max_concurrency(n, s.block_size, s.max_model_len):,.2f}')}" for c in columns],
+        ],
         ["TPOT floor", *[_ms(c.tpot_floor_s) for c in columns]],
     ]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -256,6 +266,7 @@ def render(plan: planmod.Plan, comparison, engine_error, model: ModelInputs, url
     for c in columns:
         echo(f"{c.scheme}: weights {c.weight_source}")
     echo(f"{plan.primary.scheme}: KV memory {plan.primary.kv_memory_source}")
+    echo(f"{plan.primary.scheme}: KV blocks {_basis_line(plan.primary)}")
     if model.measured_weight_bytes is None:
         echo(f"weights: {model.weight_note}")
     if plan.primary.tpot_floor_s is not None:
@@ -269,11 +280,39 @@ def render(plan: planmod.Plan, comparison, engine_error, model: ModelInputs, url
         echo(f"Engine {url}: not compared: {engine_error}")
 
 
-def _render_comparison(plan: planmod.Plan, c: planmod.Comparison, url) -> None:
+def _ends(c: planmod.Capacity, fmt) -> str:
+    """ " (low to high)" after an estimated figure; nothing where nothing was assumed."""
+    return f" ({fmt(c.num_blocks_low)} to {fmt(c.num_blocks_high)})" if c.basis is KvBasis.ESTIMATE else ""
+
+
+def _basis_line(c: planmod.Capacity) -> str:
+    """What the block figure rests on: "exact" only where the KV memory was given exactly."""
+    if c.basis is KvBasis.EXACT:
+        return "exact: the KV memory was given (--kv-cache-memory-bytes); blocks = bytes // block bytes"
+    if c.basis is KvBasis.GIVEN_OVERHEAD:
+        return "estimate from the given overhead (--overhead-gib): one figure, as good as the overhead given"
+    return (
+        f"estimate: {c.num_blocks_low:,} to {c.num_blocks_high:,}, point {c.num_blocks:,}: low with every assumed "
+        "part above at its high end, high with every part at its low end; a running engine (--url) gives vLLM's own"
+    )
+
+
+def _render_assumptions(overhead: planmod.Overhead) -> None:
+    """Each part the profile run measures and plan assumes: low / point / high, and why."""
+    if not overhead.assumptions:
+        return
+    echo = click.echo
+    echo(f"  assumed      {overhead.low_total / GIB:.2f} to {overhead.high_total / GIB:.2f} GiB, low / point / high:")
+    for a in overhead.assumptions:
+        ends = " / ".join(f"{b / GIB:.2f}" for b in (a.low_bytes, a.point_bytes, a.high_bytes))
+        echo(f"    {a.part:<12} {ends} GiB: {a.reason}")
+
+
+def _render_comparison(plan: planmod.Plan, c: plancheck.Comparison, url) -> None:
     echo = click.echo
     e = c.engine
     echo("")
-    echo(f"Engine {url}: vLLM allocated")
+    echo(f"Engine {url}: vLLM allocated (exact: its cache_config_info)")
     echo(f"  num_gpu_blocks {e.num_gpu_blocks}, block_size {e.block_size}, kv_cache_size_tokens {e.kv_cache_size_tokens}, kv_cache_memory_bytes {e.kv_cache_memory_bytes}")
     echo(f"  predicted blocks {c.predicted_blocks:,}, engine {e.num_gpu_blocks if e.num_gpu_blocks is not None else '-'}: difference {_signed(c.block_difference)} blocks")
     echo(f"  predicted tokens {c.predicted_tokens:,}, engine {c.engine_tokens if c.engine_tokens is not None else '-'}: difference {_signed(c.token_difference)} tokens")
@@ -283,6 +322,9 @@ def _render_comparison(plan: planmod.Plan, c: planmod.Comparison, url) -> None:
         echo(f"  vLLM's allocation implies activations/overhead of {_gb(c.implied_overhead_bytes)} (estimate used: {_gb(plan.overhead.total)})")
     if c.arithmetic_check_blocks is not None:
         echo(f"  vLLM's own KV bytes / predicted block bytes = {c.arithmetic_check_blocks:,} blocks")
+    if c.range_position is not None:
+        p = plan.primary
+        echo(f"  engine blocks {c.range_position} the estimated range {p.num_blocks_low:,} to {p.num_blocks_high:,}")
     for note in c.notes:
         echo(f"  note: {note}")
 
@@ -298,7 +340,20 @@ def _signed_gb(n: int) -> str:
 # ------------------------------------------------------------------- command
 
 
-@ctl.command("plan")
+# The figures below are pinned by tests/unit/test_plan.py and test_plan_cli.py.
+PLAN_EPILOG = """\
+On a GPU the KV blocks are an estimate: vLLM's profile run measures the activation peak, non-torch memory and
+CUDA graphs, which plan can only assume, so it prints a range: every assumed part at its high end, the point
+estimate, every part at its low end. The figure is exact only against a running engine (--url: vLLM's
+cache_config_info) or with --kv-cache-memory-bytes.
+
+Qwen2.5-7B BF16 on an RTX 3090 at 0.90 (the realtime profile) gives 5,295 to 8,120 blocks, point 7,136. A
+published 3090 measurement of 5,306 blocks (utilization not stated) sits at the bottom: 2.88 GiB besides the
+weights, every assumed part near its high end; at the point figures it would take a utilization of 0.835.
+"""
+
+
+@ctl.command("plan", epilog=PLAN_EPILOG)
 @click.option("--model", "model_path", metavar="DIR", help="model directory (or its config.json); default: the config's engine.model")
 @click.option("--profile", "profile_name", metavar="NAME", help="realtime, batch, a [profiles.NAME] of the config, or none (vLLM defaults)")
 @config_option
@@ -360,7 +415,7 @@ def plan_command(
     if engine_url:
         cache, engine_error = read_engine_cache(engine_url, model_name=cfg.model_name if (cfg and not url) else "")
         if cache is not None:
-            comparison = planmod.compare(plan, cache)
+            comparison = plancheck.compare(plan, cache)
     if as_json:
         emit_json(plan_to_dict(plan, comparison, engine_error, model))
     else:

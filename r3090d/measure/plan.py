@@ -1,7 +1,8 @@
 """KV cache capacity and decode-speed floor, from a model's config.json and a card.
 
 Pure arithmetic: no files, no network, no clock. The CLI (r3090d/cli/plan_cmd.py)
-gathers the inputs and prints the result.
+gathers the inputs and prints the result; r3090d/measure/plancheck.py compares it
+with a live engine's own figures.
 
 Units: bandwidth is quoted in decimal GB/s, so every byte figure that meets a
 bandwidth stays decimal (1 GB = 1e9 B). GiB figures are labelled GiB.
@@ -12,7 +13,10 @@ The arithmetic mirrors vLLM's V1 allocator:
 - a block spans every layer, so block bytes = block_size x per-token bytes;
 - num_blocks = KV memory // block bytes;
 - KV memory = total x gpu_memory_utilization - weights - profiled activations
-  - non-torch memory - CUDA-graph estimate, or exactly --kv-cache-memory-bytes;
+  - non-torch memory - CUDA-graph estimate, or exactly --kv-cache-memory-bytes.
+  The three subtracted parts are what vLLM's profile run measures and this
+  cannot: each is assumed between a low and a high end, so on a GPU the blocks
+  are a range around the point estimate, not one figure;
 - its token figure (kv_cache_size_tokens) is
   int(num_blocks / ceil(max_model_len / block_size) x max_model_len).
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from fractions import Fraction
 
 from r3090d.engineflags import VLLM_DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -339,6 +344,25 @@ class Settings:
     overhead_bytes: int | None = None  # replaces the activation + overhead estimate
 
 
+class OverheadPart(StrEnum):
+    """The parts of vLLM's profile run that plan assumes rather than measures."""
+
+    ACTIVATIONS = "activations"
+    NON_TORCH = "non-torch"
+    CUDA_GRAPHS = "CUDA graphs"
+
+
+@dataclass(frozen=True)
+class Assumption:
+    """One assumed part: the low and high ends that bound it, the point figure between, and why."""
+
+    part: OverheadPart
+    low_bytes: int
+    point_bytes: int
+    high_bytes: int
+    reason: str
+
+
 @dataclass(frozen=True)
 class Overhead:
     """Memory inside the gpu_memory_utilization budget that is neither weights nor KV."""
@@ -348,16 +372,43 @@ class Overhead:
     cuda_graph_bytes: int
     description: str
     overridden: bool = False
+    assumptions: tuple[Assumption, ...] = ()  # none when the overhead was given
 
     @property
     def total(self) -> int:
         return self.activation_bytes + self.runtime_bytes + self.cuda_graph_bytes
 
+    @property
+    def low_total(self) -> int:
+        """Every assumed part at its low end: the most KV memory."""
+        return self.total + sum(a.low_bytes - a.point_bytes for a in self.assumptions)
 
-# Rough figures for the parts the profile run measures and we cannot: the CUDA
-# context with cuBLAS workspaces and allocator slack, and the captured graphs.
-RUNTIME_OVERHEAD_BYTES = 512 * MIB
-CUDA_GRAPH_BYTES = 512 * MIB
+    @property
+    def high_total(self) -> int:
+        """Every assumed part at its high end: the least KV memory."""
+        return self.total + sum(a.high_bytes - a.point_bytes for a in self.assumptions)
+
+
+# What the profile run measures and plan cannot, each part as low / point / high:
+# the point figures are plan's single estimate, the ends what vLLM has been seen
+# to charge. Each reason is printed beside its part.
+NON_TORCH_LOW_BYTES, RUNTIME_OVERHEAD_BYTES, NON_TORCH_HIGH_BYTES = 128 * MIB, 512 * MIB, GIB
+NON_TORCH_REASON = (
+    "low: vLLM 0.11 charged 0.13 GiB (only what grew while it profiled); point: an Ampere CUDA context, "
+    "~300-500 MiB; high: that context with cuBLAS workspaces and allocator slack, generously"
+)
+CUDA_GRAPH_LOW_BYTES, CUDA_GRAPH_BYTES, CUDA_GRAPH_HIGH_BYTES = 128 * MIB, 512 * MIB, 1536 * MIB
+CUDA_GRAPH_REASON = (
+    "vLLM >= 0.21 charges its estimate of the piecewise graphs: 0.13-0.36 GiB logged for 5-16 capture sizes; "
+    "its linear extrapolation over up to 512 sizes overshoots"
+)
+# Copies of the dummy sampler run's fp32 logits (max_num_seqs x vocab) at the activation peak.
+LOGITS_COPIES_LOW, LOGITS_COPIES_POINT, LOGITS_COPIES_HIGH = 1, 2, 10
+ACTIVATION_REASON = (
+    "max_num_batched_tokens x (3 x intermediate, + 6 x hidden but at the low end) and "
+    f"{LOGITS_COPIES_LOW} / {LOGITS_COPIES_POINT} / {LOGITS_COPIES_HIGH} copies of the sampler's fp32 logits: "
+    "vLLM 0.11's H100 peaks (8,192 tokens, 1,024 sequences) fit 7.6-9.2"
+)
 
 
 def estimate_overhead(shape: ModelShape, settings: Settings) -> Overhead:
@@ -365,20 +416,37 @@ def estimate_overhead(shape: ModelShape, settings: Settings) -> Overhead:
         return Overhead(settings.overhead_bytes, 0, 0, f"given: {settings.overhead_bytes / GIB:.2f} GiB", overridden=True)
     act = DTYPE_BYTES[shape.runtime_dtype]
     t = settings.max_num_batched_tokens
-    inter = shape.intermediate_size or 4 * shape.hidden_size
-    # Profile pass of t tokens: the MLP's gate/up output and activation (3 x I)
-    # and a handful of hidden-sized buffers (residual, norms, attention in/out),
-    # plus the sampler's fp32 logits (and a softmax copy) for max_num_seqs rows.
-    forward = t * (3 * inter + 6 * shape.hidden_size) * act
-    logits = settings.max_num_seqs * (shape.vocab_size or 0) * 4 * 2
-    graphs = 0 if settings.enforce_eager else CUDA_GRAPH_BYTES
+    mlp = t * 3 * (shape.intermediate_size or 4 * shape.hidden_size) * act
+    forward = mlp + t * 6 * shape.hidden_size * act  # + residual, norms, attention in/out
+    logits = settings.max_num_seqs * (shape.vocab_size or 0) * 4
+    activations = forward + LOGITS_COPIES_POINT * logits
+    eager = settings.enforce_eager
+    graphs = 0 if eager else CUDA_GRAPH_BYTES
     desc = (
-        f"estimate: activations {(forward + logits) / GIB:.2f} GiB "
-        f"({t} tokens x (3 x intermediate + 6 x hidden) x {act} B + {settings.max_num_seqs} x vocab fp32 logits x 2), "
-        f"runtime {RUNTIME_OVERHEAD_BYTES / GIB:.2f} GiB (CUDA context, workspaces), "
-        f"CUDA graphs {graphs / GIB:.2f} GiB" + (" (--enforce-eager)" if settings.enforce_eager else "")
+        f"estimate: activations {activations / GIB:.2f} GiB "
+        f"({t} tokens x (3 x intermediate + 6 x hidden) x {act} B + {settings.max_num_seqs} x vocab fp32 logits "
+        f"x {LOGITS_COPIES_POINT}), runtime {RUNTIME_OVERHEAD_BYTES / GIB:.2f} GiB (CUDA context, workspaces), "
+        f"CUDA graphs {graphs / GIB:.2f} GiB" + (" (--enforce-eager)" if eager else "")
     )
-    return Overhead(forward + logits, RUNTIME_OVERHEAD_BYTES, graphs, desc)
+    assumptions = (
+        Assumption(
+            OverheadPart.ACTIVATIONS, mlp + LOGITS_COPIES_LOW * logits, activations,
+            forward + LOGITS_COPIES_HIGH * logits, ACTIVATION_REASON,
+        ),
+        Assumption(OverheadPart.NON_TORCH, NON_TORCH_LOW_BYTES, RUNTIME_OVERHEAD_BYTES, NON_TORCH_HIGH_BYTES, NON_TORCH_REASON),
+        Assumption(OverheadPart.CUDA_GRAPHS, 0, 0, 0, "none: --enforce-eager")
+        if eager
+        else Assumption(OverheadPart.CUDA_GRAPHS, CUDA_GRAPH_LOW_BYTES, graphs, CUDA_GRAPH_HIGH_BYTES, CUDA_GRAPH_REASON),
+    )  # fmt: skip
+    return Overhead(activations, RUNTIME_OVERHEAD_BYTES, graphs, desc, assumptions=assumptions)
+
+
+class KvBasis(StrEnum):
+    """How the KV figure was reached: only the first is exact."""
+
+    EXACT = "exact"  # --kv-cache-memory-bytes: blocks = bytes // block bytes
+    ESTIMATE = "estimate"  # assumed overhead: a range from its low and high ends
+    GIVEN_OVERHEAD = "estimate from the given overhead"  # --overhead-gib: one figure, as good as the figure given
 
 
 @dataclass(frozen=True)
@@ -395,6 +463,9 @@ class Capacity:
     kv_cache_size_tokens: int  # vLLM's figure, from max concurrency x max_model_len
     max_concurrency: float  # requests of max_model_len tokens at once
     tpot_floor_s: float | None
+    basis: KvBasis
+    num_blocks_low: int  # every assumed overhead part at its high end; num_blocks when nothing is assumed
+    num_blocks_high: int  # every assumed overhead part at its low end
 
 
 @dataclass(frozen=True)
@@ -435,6 +506,7 @@ def _capacity(scheme, weight_bytes, weight_source, settings, hardware, overhead,
     if settings.kv_cache_memory_bytes is not None:
         kv = settings.kv_cache_memory_bytes
         kv_source = "exact: --kv-cache-memory-bytes"
+        basis, kv_low, kv_high = KvBasis.EXACT, kv, kv
     else:
         if hardware.memory_bytes is None:
             raise PlanError("GPU memory size unknown: give --gpu-memory-gib or --kv-cache-memory-bytes")
@@ -444,6 +516,9 @@ def _capacity(scheme, weight_bytes, weight_source, settings, hardware, overhead,
             f"estimate: {hardware.memory_bytes / GIB:.2f} GiB x {settings.gpu_memory_utilization:g} "
             f"- weights - activations/overhead ({overhead.total / GIB:.2f} GiB)"
         )
+        basis = KvBasis.GIVEN_OVERHEAD if overhead.overridden else KvBasis.ESTIMATE
+        kv_low = kv - (overhead.high_total - overhead.total)
+        kv_high = kv + (overhead.total - overhead.low_total)
     blocks = blocks_for(kv, block_bytes)
     return Capacity(
         scheme=scheme,
@@ -456,6 +531,9 @@ def _capacity(scheme, weight_bytes, weight_source, settings, hardware, overhead,
         kv_cache_size_tokens=kv_cache_size_tokens(blocks, settings.block_size, settings.max_model_len),
         max_concurrency=max_concurrency(blocks, settings.block_size, settings.max_model_len),
         tpot_floor_s=tpot_floor_s(weight_bytes, hardware.bandwidth_bytes_per_s),
+        basis=basis,
+        num_blocks_low=blocks_for(kv_low, block_bytes),
+        num_blocks_high=blocks_for(kv_high, block_bytes),
     )
 
 
@@ -497,104 +575,3 @@ def make_plan(
             alternatives.append(_capacity(awq.scheme, awq.bytes, awq.assumption, settings, hardware, overhead, block_bytes))
     budget = int(hardware.memory_bytes * settings.gpu_memory_utilization) if hardware.memory_bytes else None
     return Plan(shape, settings, hardware, per_token, block_bytes, budget, overhead, primary, tuple(alternatives))
-
-
-# ------------------------------------------------------- against a live engine
-
-
-@dataclass(frozen=True)
-class EngineCache:
-    """vLLM's cache_config_info labels, as numbers where they are numbers."""
-
-    num_gpu_blocks: int | None
-    block_size: int | None
-    kv_cache_size_tokens: int | None
-    kv_cache_memory_bytes: int | None
-    gpu_memory_utilization: float | None
-    num_gpu_blocks_override: int | None
-    cache_dtype: str | None
-
-
-def _label_int(labels: dict, key: str) -> int | None:
-    raw = labels.get(key)
-    try:
-        return int(float(raw)) if raw not in (None, "", "None") else None
-    except ValueError:
-        return None
-
-
-def engine_cache_from_labels(labels: dict[str, str]) -> EngineCache:
-    util = labels.get("gpu_memory_utilization")
-    try:
-        util_f = float(util) if util not in (None, "", "None") else None
-    except ValueError:
-        util_f = None
-    return EngineCache(
-        num_gpu_blocks=_label_int(labels, "num_gpu_blocks"),
-        block_size=_label_int(labels, "block_size"),
-        kv_cache_size_tokens=_label_int(labels, "kv_cache_size_tokens"),
-        kv_cache_memory_bytes=_label_int(labels, "kv_cache_memory_bytes"),
-        gpu_memory_utilization=util_f,
-        num_gpu_blocks_override=_label_int(labels, "num_gpu_blocks_override"),
-        cache_dtype=labels.get("cache_dtype"),
-    )
-
-
-@dataclass(frozen=True)
-class Comparison:
-    engine: EngineCache
-    predicted_blocks: int
-    predicted_tokens: int  # comparable with the engine's kv_cache_size_tokens
-    engine_tokens: int | None
-    block_difference: int | None  # engine - predicted
-    token_difference: int | None
-    engine_kv_bytes: int | None  # what vLLM allocated, from its blocks and our block bytes
-    kv_bytes_difference: int | None  # engine - predicted KV memory
-    implied_overhead_bytes: int | None  # budget - weights - engine KV, when the budget is known
-    arithmetic_check_blocks: int | None  # engine KV bytes / our block bytes, when vLLM reports its KV bytes
-    notes: tuple[str, ...]
-
-
-def compare(plan: Plan, engine: EngineCache) -> Comparison:
-    """Prediction minus allocation. Uses the engine's block size if it differs from the plan's."""
-    notes: list[str] = []
-    s = plan.settings
-    block_size = s.block_size
-    if engine.block_size and engine.block_size != s.block_size:
-        notes.append(f"engine uses block size {engine.block_size}, plan assumed {s.block_size}: compared at the engine's")
-        block_size = engine.block_size
-    block_bytes = plan.kv_bytes_per_token * block_size
-    predicted_blocks = blocks_for(plan.primary.kv_memory_bytes, block_bytes)
-    if engine.num_gpu_blocks_override is not None:
-        notes.append(f"engine runs with --num-gpu-blocks-override {engine.num_gpu_blocks_override}: its block count is not a measurement")
-    predicted_tokens = kv_cache_size_tokens(predicted_blocks, block_size, s.max_model_len)
-    engine_tokens = engine.kv_cache_size_tokens
-    if engine_tokens is None and engine.num_gpu_blocks is not None:
-        engine_tokens = engine.num_gpu_blocks * block_size
-        predicted_tokens = predicted_blocks * block_size
-        notes.append("engine does not report kv_cache_size_tokens: tokens = num_gpu_blocks x block_size")
-    engine_kv = engine.num_gpu_blocks * block_bytes if engine.num_gpu_blocks is not None else None
-    implied = None
-    if engine_kv is not None and plan.budget_bytes is not None and s.kv_cache_memory_bytes is None:
-        implied = plan.budget_bytes - plan.primary.weight_bytes - engine_kv
-    check = None
-    if engine.kv_cache_memory_bytes is not None:
-        check = engine.kv_cache_memory_bytes // block_bytes
-        if engine.num_gpu_blocks is not None and engine.num_gpu_blocks_override is None and check != engine.num_gpu_blocks:
-            notes.append(
-                f"vLLM's own KV bytes give {check} blocks by this arithmetic but it allocated {engine.num_gpu_blocks}: "
-                "the per-token size differs (dtype, head_dim or layer count)"
-            )
-    return Comparison(
-        engine=engine,
-        predicted_blocks=predicted_blocks,
-        predicted_tokens=predicted_tokens,
-        engine_tokens=engine_tokens,
-        block_difference=None if engine.num_gpu_blocks is None else engine.num_gpu_blocks - predicted_blocks,
-        token_difference=None if engine_tokens is None else engine_tokens - predicted_tokens,
-        engine_kv_bytes=engine_kv,
-        kv_bytes_difference=None if engine_kv is None else engine_kv - predicted_blocks * block_bytes,
-        implied_overhead_bytes=implied,
-        arithmetic_check_blocks=check,
-        notes=tuple(notes),
-    )

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from r3090d import cards
-from r3090d.measure import plan
-from r3090d.measure.plan import GB, GIB, Hardware, PlanError, Settings
+from r3090d.measure import plan, plancheck
+from r3090d.measure.plan import GB, GIB, Hardware, KvBasis, OverheadPart, PlanError, Settings
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 QWEN = json.loads((DATA / "qwen2.5-7b-config.json").read_text())
@@ -63,6 +63,8 @@ def test_exact_kv_memory_gives_exact_blocks(qwen):
     assert p.primary.num_blocks == 5306
     assert p.primary.tokens == 5306 * 16
     assert p.primary.kv_memory_source.startswith("exact")
+    assert p.primary.basis is KvBasis.EXACT
+    assert p.primary.num_blocks_low == p.primary.num_blocks_high == 5306  # nothing assumed: no range
     one_byte_short = plan.make_plan(qwen, Settings(kv_cache_memory_bytes=kv - 1), RTX3090)
     assert one_byte_short.primary.num_blocks == 5305
     # 4.87 GB = 4.53 GiB: the source articles' "~4.6 GB" was GiB.
@@ -87,6 +89,83 @@ def test_overhead_estimate_names_its_parts_and_eager_drops_graphs(qwen):
     assert "estimate" in graphs.description and "CUDA graphs" in graphs.description
     # A longer profiling pass needs more activation memory.
     assert plan.estimate_overhead(qwen, Settings(max_num_batched_tokens=8192)).activation_bytes > graphs.activation_bytes
+
+
+def test_the_range_ends_are_the_plan_at_every_assumption_s_end(qwen):
+    p = plan.make_plan(qwen, Settings(), RTX3090)
+    c, o = p.primary, p.overhead
+    assert [a.part for a in o.assumptions] == [OverheadPart.ACTIVATIONS, OverheadPart.NON_TORCH, OverheadPart.CUDA_GRAPHS]
+    assert all(a.low_bytes < a.point_bytes < a.high_bytes and a.reason for a in o.assumptions)
+    # The point figures are the single estimate plan has always made.
+    assert sum(a.point_bytes for a in o.assumptions) == o.total
+    assert c.basis is KvBasis.ESTIMATE and c.num_blocks_low < c.num_blocks < c.num_blocks_high
+    # Each end is exactly the plan made with that end's overhead given.
+    for total, blocks in ((o.high_total, c.num_blocks_low), (o.low_total, c.num_blocks_high)):
+        given = plan.make_plan(qwen, Settings(overhead_bytes=total), RTX3090).primary
+        assert given.num_blocks == blocks
+        assert given.basis is KvBasis.GIVEN_OVERHEAD and given.num_blocks_low == given.num_blocks_high == blocks
+    # The AWQ column carries its own range under the same assumptions.
+    (awq,) = p.alternatives
+    assert awq.num_blocks_low < awq.num_blocks < awq.num_blocks_high
+
+
+def test_eager_assumes_no_graphs_and_narrows_the_range(qwen):
+    graphs = plan.make_plan(qwen, Settings(), RTX3090).primary
+    eager_plan = plan.make_plan(qwen, Settings(enforce_eager=True), RTX3090)
+    (graph_part,) = [a for a in eager_plan.overhead.assumptions if a.part is OverheadPart.CUDA_GRAPHS]
+    assert (graph_part.low_bytes, graph_part.point_bytes, graph_part.high_bytes) == (0, 0, 0)
+    eager = eager_plan.primary
+    assert (eager.num_blocks_low, eager.num_blocks, eager.num_blocks_high) == (7051, 7721, 8266)
+    assert eager.num_blocks_high - eager.num_blocks_low < graphs.num_blocks_high - graphs.num_blocks_low
+
+
+def test_more_sequences_widen_the_activation_range(qwen):
+    """The dummy sampler run's fp32 logits grow with max_num_seqs: 10 copies at the high end."""
+    few, many = (plan.make_plan(qwen, Settings(max_num_seqs=n), RTX3090) for n in (16, 256))
+    logits_copy = 152064 * 4
+    act = {n: p.overhead.assumptions[0] for n, p in ((16, few), (256, many))}
+    assert act[256].high_bytes - act[16].high_bytes == 10 * 240 * logits_copy
+    assert act[256].low_bytes - act[16].low_bytes == 240 * logits_copy
+    assert many.primary.num_blocks_low < few.primary.num_blocks_low
+
+
+def test_a_published_3090_measurement_sits_at_the_bottom_of_the_range(qwen):
+    """Qwen2.5-7B BF16 on a 3090: 5,306 blocks measured, utilization not stated; the plan at 0.90.
+
+    The weights measured there, 15.23 GB, are what the plan counts from config.json.
+    """
+    p = plan.make_plan(qwen, Settings(gpu_memory_utilization=0.90), RTX3090)
+    c = p.primary
+    assert round(c.weight_bytes / GB, 2) == 15.23
+    assert (c.num_blocks_low, c.num_blocks, c.num_blocks_high) == (5295, 7136, 8120)
+    # Inside, but only just: 11 blocks above the end where every assumed part is at its high end.
+    assert c.num_blocks_low <= 5306 < c.num_blocks
+    assert (5306 - c.num_blocks_low) / (c.num_blocks_high - c.num_blocks_low) < 0.005
+    # It implies 2.88 GiB besides the weights: the point assumes 1.32 GiB, the high end 2.89 GiB.
+    implied = plancheck.compare(p, _engine()).implied_overhead_bytes
+    assert round(implied / GIB, 2) == 2.88 and round(p.overhead.total / GIB, 2) == 1.32
+    assert p.overhead.total < implied <= p.overhead.high_total
+    assert plancheck.compare(p, _engine()).range_position is plancheck.RangePosition.INSIDE
+    # Or, at the point assumptions, a utilization of 0.835 rather than 0.90.
+    utilization = (c.weight_bytes + p.overhead.total + 5306 * p.block_bytes) / RTX3090.memory_bytes
+    assert round(utilization, 3) == 0.835
+    assert abs(plan.make_plan(qwen, Settings(gpu_memory_utilization=0.835), RTX3090).primary.num_blocks - 5306) < 5
+    # With vLLM's own default of 256 sequences the sampler's logits grow and 5,306 is well inside.
+    default_seqs = plan.make_plan(qwen, Settings(max_num_seqs=256), RTX3090).primary
+    assert default_seqs.num_blocks_low + 1000 < 5306 < default_seqs.num_blocks
+
+
+def test_compare_places_the_engine_against_the_range(qwen):
+    p = plan.make_plan(qwen, Settings(), RTX3090)
+    low, high = p.primary.num_blocks_low, p.primary.num_blocks_high
+    assert plancheck.compare(p, _engine(num_gpu_blocks=str(low - 1))).range_position is plancheck.RangePosition.BELOW
+    assert plancheck.compare(p, _engine(num_gpu_blocks=str(high))).range_position is plancheck.RangePosition.INSIDE
+    assert plancheck.compare(p, _engine(num_gpu_blocks=str(high + 1))).range_position is plancheck.RangePosition.ABOVE
+    # An override is no measurement, another block size no comparable range, an exact plan no range at all.
+    assert plancheck.compare(p, _engine(num_gpu_blocks_override="5306")).range_position is None
+    assert plancheck.compare(p, _engine(block_size="32")).range_position is None
+    exact = plan.make_plan(qwen, Settings(kv_cache_memory_bytes=5306 * 917_504), RTX3090)
+    assert plancheck.compare(exact, _engine()).range_position is None
 
 
 def test_awq_int4_side_by_side(qwen):
@@ -196,7 +275,7 @@ def test_reference_capture_agrees_with_the_arithmetic():
     from r3090d.probes import engine
 
     sample = engine.parse((DATA / "vllm-0.32-metrics-idle.txt").read_text(), "")
-    cache = plan.engine_cache_from_labels(dict(sample.cache_config))
+    cache = plancheck.engine_cache_from_labels(dict(sample.cache_config))
     assert cache.kv_cache_memory_bytes == GIB and cache.block_size == 128
     block_bytes = cache.kv_cache_memory_bytes // cache.num_gpu_blocks
     assert plan.blocks_for(cache.kv_cache_memory_bytes, block_bytes) == cache.num_gpu_blocks
@@ -205,12 +284,12 @@ def test_reference_capture_agrees_with_the_arithmetic():
 
 def _engine(**labels):
     base = {"num_gpu_blocks": "5306", "block_size": "16", "kv_cache_size_tokens": "None", "kv_cache_memory_bytes": "None", "gpu_memory_utilization": "0.9", "num_gpu_blocks_override": "None"}
-    return plan.engine_cache_from_labels({**base, **labels})
+    return plancheck.engine_cache_from_labels({**base, **labels})
 
 
 def test_compare_reports_engine_minus_prediction(qwen):
     p = plan.make_plan(qwen, Settings(overhead_bytes=GIB), RTX3090)
-    c = plan.compare(p, _engine())
+    c = plancheck.compare(p, _engine())
     assert c.predicted_blocks == p.primary.num_blocks
     assert c.block_difference == 5306 - p.primary.num_blocks
     assert c.engine_tokens == 5306 * 16  # no kv_cache_size_tokens label: blocks x block size
@@ -222,19 +301,19 @@ def test_compare_reports_engine_minus_prediction(qwen):
 def test_compare_exact_kv_matches_and_checks_per_token_size(qwen):
     kv = 5306 * 16 * 57_344
     p = plan.make_plan(qwen, Settings(kv_cache_memory_bytes=kv, max_model_len=4096), RTX3090)
-    c = plan.compare(p, _engine(kv_cache_memory_bytes=str(kv), kv_cache_size_tokens=str(84_896)))
+    c = plancheck.compare(p, _engine(kv_cache_memory_bytes=str(kv), kv_cache_size_tokens=str(84_896)))
     assert (c.block_difference, c.token_difference) == (0, 0)
     assert c.arithmetic_check_blocks == 5306
     assert c.notes == ()
     # An engine that stored 4-byte KV would hold half the blocks: the check says so.
-    c2 = plan.compare(p, _engine(num_gpu_blocks="2653", kv_cache_memory_bytes=str(kv)))
+    c2 = plancheck.compare(p, _engine(num_gpu_blocks="2653", kv_cache_memory_bytes=str(kv)))
     assert c2.block_difference == -2653
     assert any("per-token size differs" in n for n in c2.notes)
 
 
 def test_compare_uses_the_engines_block_size(qwen):
     p = plan.make_plan(qwen, Settings(kv_cache_memory_bytes=128 * 57_344 * 100, block_size=16), RTX3090)
-    c = plan.compare(p, _engine(num_gpu_blocks="100", block_size="128"))
+    c = plancheck.compare(p, _engine(num_gpu_blocks="100", block_size="128"))
     assert c.predicted_blocks == 100 and c.block_difference == 0
     assert any("block size 128" in n for n in c.notes)
 

@@ -13,7 +13,7 @@ from r3090d.cli import plan_cmd
 from r3090d.cli.common import ctl, run_click
 from r3090d.config import loading as config_loading
 from r3090d.core.snapshot import GpuSample, GpuStatus, HostFacts
-from r3090d.measure import modelinfo
+from r3090d.measure import modelinfo, plancheck
 from r3090d.measure.modelinfo import read_model_dir
 from r3090d.preflight.checks import check_model_fit
 
@@ -55,6 +55,55 @@ def test_qwen_on_a_3090_in_text(capsys, qwen_dir):
     assert "estimate" in out and "no weight files" in out
 
 
+def test_a_gpu_estimate_is_a_range_and_never_called_exact(capsys, qwen_dir):
+    code, out, err = run(capsys, "--model", qwen_dir, "--gpu-memory-gib", 24, "--bandwidth-gbs", 936)
+    assert code == 0, err
+    assert "7,136 (5,295 to 8,120)" in out  # KV blocks: point (low to high)
+    assert "KV blocks estimate: 5,295 to 8,120, point 7,136" in out
+    for part in ("activations", "non-torch", "CUDA graphs"):
+        assert any(line.strip().startswith(part) and "GiB: " in line for line in out.splitlines()), part
+    assert "exact" not in out.lower()
+
+
+def test_the_range_in_json_beside_the_old_keys(capsys, qwen_dir):
+    code, out, err = run(capsys, "--model", qwen_dir, "--gpu-memory-gib", 24, "--bandwidth-gbs", 936, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    primary = data["primary"]
+    assert (primary["num_blocks_low"], primary["num_blocks"], primary["num_blocks_high"]) == (5295, 7136, 8120)
+    assert primary["basis"] == "estimate"
+    parts = data["overhead"]["assumptions"]
+    assert [a["part"] for a in parts] == ["activations", "non-torch", "CUDA graphs"]
+    assert all(a["low_bytes"] < a["point_bytes"] < a["high_bytes"] and a["reason"] for a in parts)
+    assert data["overhead"]["total"] == sum(a["point_bytes"] for a in parts)
+    assert data["overhead"]["low_total"] < data["overhead"]["total"] < data["overhead"]["high_total"]
+    assert data["alternatives"][0]["num_blocks_low"] < data["alternatives"][0]["num_blocks_high"]
+
+
+def test_help_states_the_figures_plan_prints(capsys, qwen_dir):
+    code, out, _ = run(capsys, "--model", qwen_dir, "--gpu-memory-gib", 24, "--bandwidth-gbs", 936, "--json")
+    primary = json.loads(out)["primary"]
+    code, help_text, _ = run(capsys, "--help")
+    assert code == 0
+    words = " ".join(help_text.split())
+    low, point, high = primary["num_blocks_low"], primary["num_blocks"], primary["num_blocks_high"]
+    assert f"{low:,} to {high:,} blocks, point {point:,}" in words
+    assert "5,306 blocks" in words and "exact only against a running engine" in words
+
+
+def test_an_engine_figure_is_exact_and_placed_against_the_range(capsys, qwen_dir, monkeypatch):
+    # The engine boundary: what its /metrics cache_config_info would say.
+    labels = {"num_gpu_blocks": "5306", "block_size": "16", "gpu_memory_utilization": "0.9"}
+    monkeypatch.setattr(plan_cmd, "read_engine_cache", lambda url, **kw: (plancheck.engine_cache_from_labels(labels), None))
+    args = ("--model", qwen_dir, "--gpu-memory-gib", 24, "--bandwidth-gbs", 936, "--url", "http://engine")
+    code, out, err = run(capsys, *args)
+    assert code == 0, err
+    assert "vLLM allocated (exact: its cache_config_info)" in out
+    assert "engine blocks inside the estimated range 5,295 to 8,120" in out
+    code, out, err = run(capsys, *args, "--json")
+    assert json.loads(out)["engine"]["range_position"] == "inside"
+
+
 def test_exact_kv_bytes_json(capsys, qwen_dir):
     kv = 5306 * 16 * 57_344
     code, out, err = run(capsys, "--model", qwen_dir, "--kv-cache-memory-bytes", kv, "--bandwidth-gbs", 936, "--json")
@@ -62,6 +111,11 @@ def test_exact_kv_bytes_json(capsys, qwen_dir):
     data = json.loads(out)
     assert data["kv_bytes_per_token"] == 57_344
     assert data["primary"]["num_blocks"] == 5306
+    assert data["primary"]["basis"] == "exact"
+    assert data["primary"]["num_blocks_low"] == data["primary"]["num_blocks_high"] == 5306
+    code, out, err = run(capsys, "--model", qwen_dir, "--kv-cache-memory-bytes", kv, "--bandwidth-gbs", 936)
+    assert "KV blocks exact: the KV memory was given" in out
+    assert "5,306 (" not in out  # one figure, no range
     assert data["primary"]["weight_bytes"] == 15_231_233_024
     assert data["primary"]["tpot_floor_s"] == pytest.approx(15_231_233_024 / 936e9)
     assert data["hardware"]["memory_bytes"] is None  # not needed with an exact KV size
