@@ -25,22 +25,32 @@ from r3090d import exitcodes
 from r3090d.cli.common import config_option, ctl, emit_json, instance_option, load_config
 from r3090d.cli.control_cmd import LOST_AFTER_S, ask, wait_ready
 from r3090d.core.suspension import Result
+from r3090d.core.vocabulary import Phase
 from r3090d.service import control_client
+from r3090d.service.report import StateDocument, SuspendInfo, UnreadableFormat, view
+from r3090d.units import MIB
 
-MIB = 1024 * 1024
 EXIT_UNAVAILABLE = exitcodes.PREFLIGHT_PERMANENT  # 69, EX_UNAVAILABLE: this host or config cannot suspend
 POLL_S = 0.1
 CODES = {Result.SUSPENDED: exitcodes.OK, Result.RESUMED: exitcodes.OK, Result.STARTED_COLD: exitcodes.OK,
          Result.UNAVAILABLE: EXIT_UNAVAILABLE}  # fmt: skip
 
 
-def _status(cfg) -> dict | None:
-    """The daemon's state document, or None when it does not answer."""
+def _status(cfg) -> StateDocument | None:
+    """The daemon's state document, parsed; None when it does not answer. Raises UnreadableFormat."""
     try:
         reply = control_client.request(cfg.daemon.runtime_dir, {"cmd": "status"}, 5.0)
     except control_client.ClientError:
         return None
-    return reply.get("state") if reply.get("ok") else None
+    return view(reply.get("state")) if reply.get("ok") else None
+
+
+def _before(cfg) -> StateDocument | None:
+    """The state a request starts from, for --wait; None when unknown (then --wait says why it cannot follow)."""
+    try:
+        return _status(cfg)
+    except UnreadableFormat:
+        return None
 
 
 def _code(reply: dict) -> int:
@@ -66,23 +76,27 @@ def follow(cfg, request: int, daemon_pid, timeout: float, *, quiet: bool) -> dic
     shown = None
     while True:
         now = time.monotonic()
-        doc = _status(cfg)
+        try:
+            doc = _status(cfg)
+        except UnreadableFormat as exc:
+            return {"ok": False, "error": str(exc)}
         if doc is None:
             if now - last_seen > LOST_AFTER_S:
                 return {"ok": False, "error": f"r3090d stopped answering {now - start:.0f} s into the wait"}
         else:
             last_seen = now
-            if daemon_pid is not None and (doc.get("daemon") or {}).get("pid") != daemon_pid:
+            if daemon_pid is not None and doc.daemon.pid != daemon_pid:
                 return {"ok": False, "error": "r3090d restarted during the wait (r3090ctl status)"}
-            sus = doc.get("suspend") or {}
-            where = (doc.get("engine") or {}).get("phase"), sus.get("stage")
+            sus = doc.suspend or SuspendInfo()
+            where = doc.engine.phase_name, sus.stage.value if sus.stage is not None else None
             if where != shown and not quiet:
                 click.echo(f"  +{now - start:5.1f} s  {where[0]}" + (f" ({where[1]})" if where[1] and where[1] != where[0] else ""))
             shown = where
-            last = sus.get("last") or {}
-            if last.get("request") == request:
-                result = Result(last["result"])
-                return {"ok": CODES.get(result) == exitcodes.OK, "result": result.value, "detail": last.get("detail", ""),
+            last = sus.last
+            if last is not None and last.request == request:
+                if last.result is None:
+                    return {"ok": False, "error": f"request {request} ended in a way this r3090ctl does not know (r3090ctl status)"}
+                return {"ok": CODES.get(last.result) == exitcodes.OK, "result": last.result.value, "detail": last.detail,
                         "after_s": round(now - start, 2), "doc": doc}  # fmt: skip
         if now - start > timeout:
             return {"ok": False, "error": f"no result after {timeout:.0f} s; the operation goes on (r3090ctl status)"}
@@ -121,13 +135,13 @@ def suspend_command(wait, test, timeout, as_json, config_path, instance) -> int:
     if test:
         return _self_test(load_config(config_path, instance), timeout, as_json)
     cfg = load_config(config_path, instance, check_files=False)
-    before = _status(cfg) or {}
+    before = _before(cfg)
     reply = ask(cfg, {"cmd": "suspend"})
     if not reply.get("ok") or not wait:
         return _show(reply, as_json)
     if not as_json:
         click.echo(reply.get("message") or "accepted")
-    result = follow(cfg, reply["request"], (before.get("daemon") or {}).get("pid"), timeout or _suspend_timeout(cfg), quiet=as_json)
+    result = follow(cfg, reply["request"], before.daemon.pid if before else None, timeout or _suspend_timeout(cfg), quiet=as_json)
     return _finish(reply, result, as_json)
 
 
@@ -140,7 +154,7 @@ def suspend_command(wait, test, timeout, as_json, config_path, instance) -> int:
 def resume_command(wait, timeout, as_json, config_path, instance) -> int:
     """Take the GPU back: check it has room, restore the engine, and serve once /health and a probe pass."""
     cfg = load_config(config_path, instance, check_files=False)
-    before = _status(cfg) or {}
+    before = _before(cfg)
     reply = ask(cfg, {"cmd": "resume"})
     if not reply.get("ok") or not wait:
         return _show(reply, as_json)
@@ -148,12 +162,11 @@ def resume_command(wait, timeout, as_json, config_path, instance) -> int:
         click.echo(reply.get("message") or "accepted")
     limit = timeout or _resume_timeout(cfg)
     started = time.monotonic()
-    result = follow(cfg, reply["request"], (before.get("daemon") or {}).get("pid"), limit, quiet=as_json)
+    result = follow(cfg, reply["request"], before.daemon.pid if before else None, limit, quiet=as_json)
     if result.get("result") == Result.STARTED_COLD.value:
         # No engine was left to restore: a new one loads, as after a restart.
-        engine = before.get("engine") or {}
         left = max(1.0, limit + cfg.engine.startup_timeout - (time.monotonic() - started))
-        ready = wait_ready(cfg, engine.get("generation"), engine.get("pid"), left, quiet=as_json)
+        ready = wait_ready(cfg, before.engine.generation if before else None, before.engine.pid if before else None, left, quiet=as_json)
         result = {**result, "ok": ready["ok"], "detail": ready.get("message") or ready.get("error", "")}
         if not ready["ok"]:
             result["result"] = Result.FAILED.value
@@ -177,31 +190,36 @@ def _completion(cfg) -> tuple[bool, float, str]:
         return False, time.monotonic() - t0, type(exc).__name__
 
 
-def _steps(doc: dict) -> dict[str, float]:
-    worker = (doc.get("suspend") or {}).get("worker") or {}
-    return {s["step"]: s["took_s"] for s in worker.get("steps") or [] if s.get("ok")}
+def _steps(doc: StateDocument | None) -> dict[str, float]:
+    worker = doc.suspend.worker if doc is not None and doc.suspend is not None else None
+    return {s.step: s.took_s for s in worker.steps if s.ok} if worker is not None else {}
 
 
 def _used_while_suspended(cfg, pid, daemon_pid) -> int | None:
     """GPU memory used once NVML no longer lists the checkpointed pid (a reading taken after the checkpoint)."""
     deadline = time.monotonic() + max(10.0, 5 * cfg.watchdog.poll_interval)
     while time.monotonic() < deadline:
-        doc = _status(cfg) or {}
-        gpu = doc.get("gpu") or {}
-        procs = gpu.get("processes")
-        if procs is not None and pid not in [p.get("pid") for p in procs]:
-            return gpu.get("memory_used")
+        try:
+            doc = _status(cfg)
+        except UnreadableFormat:
+            return None
+        gpu = doc.gpu if doc is not None else None
+        if gpu is not None and gpu.processes is not None and pid not in [p.pid for p in gpu.processes]:
+            return gpu.memory_used
         time.sleep(POLL_S)
     return None
 
 
 def _self_test(cfg, timeout: float | None, as_json: bool) -> int:
-    before = _status(cfg)
-    if before is None or (before.get("engine") or {}).get("phase") != "ready":
-        phase = (before or {}).get("engine", {}).get("phase", "unreachable")
+    try:
+        before = _status(cfg)
+    except UnreadableFormat as exc:
+        return _show({"ok": False, "error": str(exc)}, as_json)
+    if before is None or before.engine.phase is not Phase.READY:
+        phase = before.engine.phase_name if before is not None else "unreachable"
         return _show({"ok": False, "error": f"the engine is {phase}: --test needs a ready engine"}, as_json)
-    daemon_pid = (before.get("daemon") or {}).get("pid")
-    used_before = (before.get("gpu") or {}).get("memory_used")
+    daemon_pid = before.daemon.pid
+    used_before = before.gpu.memory_used if before.gpu is not None else None
     report: dict = {"ok": False}
     reply = ask(cfg, {"cmd": "suspend"})
     if not reply.get("ok"):
@@ -210,7 +228,8 @@ def _self_test(cfg, timeout: float | None, as_json: bool) -> int:
     if sus.get("result") != Result.SUSPENDED.value:
         return _finish(reply, sus, as_json)
     doc = sus["doc"]
-    pid, gpu_bytes = doc["suspend"].get("pid"), doc["suspend"].get("gpu_bytes")
+    section = doc.suspend or SuspendInfo()
+    pid, gpu_bytes = section.pid, section.gpu_bytes
     used_during = _used_while_suspended(cfg, pid, daemon_pid)
     report.update(suspend_s=sus["after_s"], suspend_steps=_steps(doc), gpu_bytes=gpu_bytes,
                   vram_freed_bytes=used_before - used_during if used_before is not None and used_during is not None else None)  # fmt: skip
@@ -218,7 +237,7 @@ def _self_test(cfg, timeout: float | None, as_json: bool) -> int:
     if not reply.get("ok"):
         return _show(reply, as_json)
     res = follow(cfg, reply["request"], daemon_pid, timeout or _resume_timeout(cfg), quiet=True)
-    report.update(resume_s=res.get("after_s"), resume_steps=_steps(res.get("doc") or {}), resume_result=res.get("result"))
+    report.update(resume_s=res.get("after_s"), resume_steps=_steps(res.get("doc")), resume_result=res.get("result"))
     if res.get("result") != Result.RESUMED.value:
         report["error"] = res.get("detail") or res.get("error")
     else:

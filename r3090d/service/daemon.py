@@ -291,8 +291,8 @@ class Daemon:
     def write_state(self, st: policy.PolicyState, snap: Snapshot, tick_s: float) -> None:
         self.tick_stats.observe(tick_s, snap.gpu.xid_errors)
         doc = report(st, snap, self.cfg, identity=self.identity, offset=self.offset, written_at=time.time(), tick_s=tick_s,
-                     preflight=self.preflight_summary, telemetry=self.tick_stats.to_json()).to_json()  # fmt: skip
-        doc.update(self.suspend.publish(st, snap, self.offset))
+                     preflight=self.preflight_summary, telemetry=self.tick_stats.to_json(),
+                     suspend=self.suspend.publish(st, snap, self.offset)).to_json()  # fmt: skip
         self.latest_doc = doc
         try:
             write_json_atomic(self.state_path, doc)

@@ -174,6 +174,12 @@ def families(doc: StateDocument | dict | None, now: float) -> list:
     out.append(states)
     gauge("r3090d_maintenance", "1 while maintenance mode pauses remediation", 1 if engine.maintenance else 0)
     gauge("r3090d_engine_ready_timestamp_seconds", "Unix time the engine became ready (absent while not ready)", engine.ready_since if ready and engine.ready_since else None)
+    # Absent, not 0, while no suspension stands (as the ready time is while not ready): a rule on the
+    # suspension's age then needs no guard. A resume's room check leaves it standing, as suspended_long counts.
+    held = d.suspend if d.suspend is not None and d.suspend.standing else None
+    gauge("r3090d_suspended_since_timestamp_seconds", "Unix time the engine's current suspension began (absent while not suspended)", held.since if held else None)
+    gauge("r3090d_suspended_host_bytes", "host memory (RSS) the suspended engine holds, its GPU memory included (absent while not suspended)", held.host_rss_bytes if held else None)
+    gauge("r3090d_suspended_gpu_bytes", "GPU memory the suspended engine held, checkpointed: what a resume needs free (absent while not suspended)", held.gpu_bytes if held else None)
 
     counter = CounterMetricFamily("r3090d_restarts", "engine restarts since the daemon started, by reason", labels=["reason"])
     by_reason = {reason: 0 for reason in RESTART_REASONS} | restarts.by_reason

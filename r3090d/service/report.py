@@ -29,7 +29,8 @@ from r3090d.config import MIB, Config
 from r3090d.core.alerting import AlertBook, AlertEntry
 from r3090d.core.policy import PolicyState
 from r3090d.core.snapshot import EngineSample, GpuSample, HealthSample, Snapshot
-from r3090d.core.vocabulary import Phase
+from r3090d.core.suspension import HOW_TO_RESUME, Result, Stage
+from r3090d.core.vocabulary import SUSPEND_PHASES, Phase
 from r3090d.preflight.checks import CheckResult
 from r3090d.service.state import BOOK_TIME_FIELDS
 
@@ -192,6 +193,73 @@ class Telemetry:
     xid_errors_total: int = 0
 
 
+# A suspension stands in these stages: the engine's GPU memory is in its host memory (or, cold, there is no
+# engine), and a resume has not got past its room check (a refused one changes nothing). As suspended_long counts.
+STANDING_STAGES = (Stage.SUSPENDED, Stage.CHECKING)
+DONE_RESULTS = (Result.SUSPENDED, Result.RESUMED, Result.STARTED_COLD)  # the request did what was asked
+
+
+@dataclass(frozen=True)
+class LastRequest:
+    """How the operator's last suspend or resume ended."""
+
+    request: int = 0
+    op: str = ""  # "suspend" | "resume"
+    result: Result | None = None  # None: a result this r3090d does not know
+    detail: str = ""
+    at: float | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.result not in DONE_RESULTS
+
+
+@dataclass(frozen=True)
+class WorkerStep:
+    step: str = ""  # a checkpoint.Step value
+    ok: bool = False
+    took_s: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """The suspend worker's latest operation, with the driver's own step timings."""
+
+    op: str | None = None
+    pid: int | None = None
+    in_flight: bool = False
+    overdue: bool = False
+    step: str | None = None
+    steps: tuple[WorkerStep, ...] = ()
+    outcome: str | None = None
+    state: str | None = None
+    error: str = ""
+    duration_s: float | None = None
+
+
+@dataclass(frozen=True)
+class SuspendInfo:
+    """What status shows of a suspension, the exporter's suspended gauges, and what suspend --wait follows."""
+
+    stage: Stage | None = None  # None: no suspension
+    since: float | None = None  # when the engine became suspended
+    cold: bool = False  # no engine process behind the suspension: resume starts a new one
+    pid: int | None = None  # the checkpointed process
+    gpu_bytes: int = 0  # GPU memory it held: what resuming needs free (plus the margin)
+    host_rss_bytes: int | None = None  # its resident host memory now (grown by gpu_bytes); None: unmeasured
+    frozen_requests: int = 0  # requests frozen with the engine at the drain deadline
+    error: str = ""  # the last refusal or failure, one line
+    how_to_resume: str | None = None
+    last: LastRequest | None = None
+    worker: WorkerInfo | None = None
+    remind_after_s: float = 0.0  # the suspended_long alert's delay (suspend.remind_after)
+
+    @property
+    def standing(self) -> bool:
+        return self.stage in STANDING_STAGES
+
+
 @dataclass(frozen=True)
 class StateDocument:
     written_at: float | None = None
@@ -213,6 +281,7 @@ class StateDocument:
     telemetry: Telemetry = field(default_factory=Telemetry)
     format: int = FORMAT_VERSION
     waiting: WaitingInfo | None = None
+    suspend: SuspendInfo | None = None  # None: written by preflight, or by a daemon without suspend
 
     def to_json(self) -> dict:
         return _to_json(self)
@@ -396,7 +465,10 @@ def report(
     tick_s: float,
     preflight: dict | None,
     telemetry: dict,
+    suspend: SuspendInfo | None = None,
 ) -> StateDocument:
+    """`suspend` is the suspend section, with what only the daemon can measure (SuspendService.publish)."""
+
     def wall(t: float | None) -> float | None:
         return None if t is None else t + offset
 
@@ -448,6 +520,7 @@ def report(
         alert_book=book_info(st.alerts, offset),
         preflight=None if preflight is None else parse_section(PreflightSummary, preflight),
         telemetry=parse_section(Telemetry, telemetry) or Telemetry(),
+        suspend=suspend,
     )
 
 
@@ -494,6 +567,16 @@ def status_line(st: PolicyState, snap: Snapshot) -> str:
 
 
 def next_action(st: PolicyState, snap: Snapshot, cfg: Config) -> str | None:
+    s = st.suspension
+    if s is not None and st.phase in SUSPEND_PHASES:
+        if s.stage is Stage.DRAINING:
+            left = s.stage_since + cfg.suspend.drain_timeout - snap.now
+            return f"checkpoint the engine once nothing runs (at the latest in {max(0.0, left):.0f} s after the load balancer's grace)"
+        if s.stage is Stage.SUSPENDED:
+            return f"none until {HOW_TO_RESUME}" + (" (which starts a new engine)" if s.cold else "")
+        if s.stage is Stage.VERIFYING:
+            return "ready once /health answers 200 and one inference probe passes"
+        return f"wait for the GPU driver ({s.stage.value})"
     if st.phase is Phase.BACKOFF and st.next_start_at is not None:
         return f"start engine in {max(0.0, st.next_start_at - snap.now):.0f} s"
     if st.phase is Phase.DRAINING and st.stop_due_at is not None:

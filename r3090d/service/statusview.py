@@ -20,15 +20,16 @@ from dataclasses import dataclass, field
 
 from r3090d import exitcodes
 from r3090d.core.snapshot import GpuSample, GpuStatus
+from r3090d.core.suspension import Stage
 from r3090d.core.vocabulary import Phase
-from r3090d.service.report import StateDocument, parse_section, view
+from r3090d.service.report import StateDocument, SuspendInfo, parse_section, view
+from r3090d.units import GIB
 
 LABELS = {exitcodes.OK: "OK", exitcodes.WARNING: "WARNING", exitcodes.CRITICAL: "CRITICAL", exitcodes.UNKNOWN: "UNKNOWN"}
 RESTART_PHASES = frozenset({Phase.DRAINING, Phase.RESTARTING, Phase.BACKOFF})  # the verdict names the restart's reason
 # A suspension is asked for, like maintenance: not serving, but nothing is wrong.
 WARNING_PHASES = RESTART_PHASES | {Phase.STARTING, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING}
 CRITICAL_PHASES = frozenset({Phase.STOPPED, Phase.GIVEN_UP, Phase.SHUTTING_DOWN})
-GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ def panel(doc: StateDocument | dict, verdict: Verdict, now: float, *, note: str 
     lines.append(f"Model      {engine.model or '-'} at {engine.url or '-'}")
     if d.next_action:
         lines.append(f"Next       {d.next_action}")
+    lines.extend(suspend_lines(d.suspend, now))
     off = d.watch.gpu_signal_off
     if off and engine.phase is Phase.READY:
         lines.append(f"GPU view   not used: {off}; freezes are found by the counters and the probe")
@@ -164,6 +166,48 @@ def panel(doc: StateDocument | dict, verdict: Verdict, now: float, *, note: str 
         lines.append(f"Silenced   {key} until {clock(until)} ({ago(until - now)} left)")
     lines.append(f"Status     {verdict.line()}")
     return lines
+
+
+def suspend_lines(s: SuspendInfo | None, now: float) -> list[str]:
+    """The panel's lines on a suspension that stands or is under way, and on a last request that failed."""
+    if s is None:
+        return []
+    lines = []
+    if s.standing:
+        since = f"since {clock(s.since)} ({ago(now - s.since)} ago)" if s.since is not None else "since -"
+        gpu = _gib(s.gpu_bytes)
+        if s.cold:
+            held = f"no engine process is left: resuming starts a new one, which needs {gpu} of GPU memory free"  # fmt: skip
+        else:
+            rss = s.host_rss_bytes
+            host = "host memory (not measured)" if rss is None else f"{_gib(rss)} of host memory"
+            held = f"the engine holds {host}, {gpu} of GPU memory checkpointed"
+        lines.append(f"Suspended  {since}; {held}")
+        if s.frozen_requests:
+            frozen = f"{s.frozen_requests} request(s) frozen with the engine, to finish after resume"
+            lines.append(f"Frozen     {frozen}")
+    if s.stage is not None and s.stage is not Stage.SUSPENDED:
+        w = s.worker
+        busy = w is not None and w.in_flight and w.step
+        driver = f" (the GPU driver's {w.op} of pid {w.pid}: {w.step})" if w is not None and busy else ""
+        lines.append(f"Stage      {s.stage.value}{driver}")
+    failed = s.last if s.last is not None and s.last.failed else None
+    # A refusal or failure is both the suspension's error and the request's detail: said once.
+    detail = failed.detail if failed is not None else ""
+    if s.error and not (detail and (detail in s.error or s.error in detail)):
+        lines.append(f"Error      {s.error}")
+    if failed is not None:
+        # None: a result this r3090ctl does not know
+        result = failed.result.value if failed.result is not None else "ended"
+        at = f" {ago(now - failed.at)} ago" if failed.at is not None else ""
+        lines.append(f"Last op    {failed.op} (request {failed.request}) {result}{at}: {detail}")
+    if s.how_to_resume:
+        lines.append(f"Resume     {s.how_to_resume}")
+    return lines
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
 
 
 def gpu_line(gpu: GpuSample | dict | None) -> str:

@@ -1,4 +1,4 @@
-"""Suspend and resume, the daemon's side: the worker, the record that outlives the daemon, the state section.
+"""Suspend and resume, the daemon's side: the worker, the record that outlives the daemon, the state section's facts.
 
 decide() (r3090d.core.suspension) says what to do; this module does it, off the
 loop: each driver operation runs in the Suspender's worker process, and the loop
@@ -43,69 +43,13 @@ from r3090d.core.suspension import HOW_TO_RESUME, Result, Stage, SuspendResult
 from r3090d.core.vocabulary import SUSPEND_PHASES
 from r3090d.effectors.suspender import Suspender, SuspendSample
 from r3090d.effectors.suspender_worker import Command, Op
-from r3090d.service.state import plain, read_json, write_json_atomic
+from r3090d.service.report import STANDING_STAGES, LastRequest, SuspendInfo, WorkerInfo, WorkerStep
+from r3090d.service.state import read_json, write_json_atomic
 
 log = logging.getLogger("r3090d")
 
 SUSPENDED_FILE = "suspended.json"
 RECORD_FORMAT = 1
-
-
-# Every field has a default, as the state document's readers (report.parse) need.
-
-
-@dataclass(frozen=True)
-class LastRequest:
-    request: int = 0
-    op: str = ""  # "suspend" | "resume"
-    result: str = ""  # a core.suspension.Result value
-    detail: str = ""
-    at: float | None = None  # wall clock
-
-
-@dataclass(frozen=True)
-class WorkerStep:
-    step: str = ""  # a checkpoint.Step value
-    ok: bool = False
-    took_s: float = 0.0
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """The worker's latest operation, with the driver's own step timings."""
-
-    op: str | None = None
-    pid: int | None = None
-    in_flight: bool = False
-    overdue: bool = False
-    step: str | None = None
-    steps: tuple[WorkerStep, ...] = ()
-    outcome: str | None = None
-    state: str | None = None
-    error: str = ""
-    duration_s: float | None = None
-
-
-@dataclass(frozen=True)
-class SuspendInfo:
-    """The state document's "suspend" section: what status shows while suspended, and what --wait follows."""
-
-    stage: Stage | None = None  # None: no suspension
-    since: float | None = None  # wall clock: when the engine became suspended
-    cold: bool = False  # no engine process behind the suspension: resume starts a new one
-    pid: int | None = None  # the checkpointed process
-    gpu_bytes: int = 0  # GPU memory it held: what resuming needs free (plus the margin)
-    host_rss_bytes: int | None = None  # its resident host memory now (it grew by gpu_bytes)
-    frozen_requests: int = 0  # requests frozen with the engine at the drain deadline
-    error: str = ""  # the last refusal or failure, one line
-    how_to_resume: str | None = None
-    last: LastRequest | None = None  # how the operator's last suspend or resume ended
-    worker: WorkerInfo | None = None
-    remind_after_s: float = 0.0  # the suspended_long alert's delay (suspend.remind_after)
-
-    def to_json(self) -> dict:
-        return plain(self)
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -239,9 +183,8 @@ class SuspendService:
                 pass
         return tuple(names)
 
-    def publish(self, st: PolicyState, snap: Snapshot, offset: float) -> dict:
-        """Each tick: log what changed, and the state document's fields (its "suspend" section, and
-        next_action in the suspend phases, which report() knows nothing of)."""
+    def publish(self, st: PolicyState, snap: Snapshot, offset: float) -> SuspendInfo:
+        """Each tick: log what changed; the state document's suspend section, for report()."""
         s = st.suspension
         stage = s.stage if s is not None and st.phase in SUSPEND_PHASES else None
         if stage is not self._logged_stage and stage is not None:
@@ -252,15 +195,13 @@ class SuspendService:
             level = logging.INFO if last.result in (Result.SUSPENDED, Result.RESUMED, Result.STARTED_COLD) else logging.WARNING
             log.log(level, "%s request %d: %s: %s", last.op, last.request, last.result.value, last.detail)
         self._logged_last = last
-        fields = {"suspend": self.document(st, snap, offset).to_json()}
-        if stage is not None:
-            fields["next_action"] = next_action(st, snap, self.cfg)
-        return fields
+        return self.document(st, snap, offset)
 
     def document(self, st: PolicyState, snap: Snapshot, offset: float) -> SuspendInfo:
         s = st.suspension
         last = st.suspend_last
-        held = s is not None and s.stage is Stage.SUSPENDED and not s.cold
+        # Its RSS, measured while the suspension stands: what the exporter's r3090d_suspended_host_bytes shows.
+        held = s is not None and s.stage in STANDING_STAGES and not s.cold
         return SuspendInfo(
             stage=s.stage if s else None,
             since=s.since_wall if s else None,
@@ -271,25 +212,10 @@ class SuspendService:
             frozen_requests=s.frozen_requests if s else 0,
             error=s.error if s else "",
             how_to_resume=HOW_TO_RESUME if s and s.stage is Stage.SUSPENDED else None,
-            last=LastRequest(last.request, last.op, last.result.value, last.detail, last.at + offset) if last else None,
+            last=LastRequest(last.request, last.op, last.result, last.detail, last.at + offset) if last else None,
             worker=_worker(snap.suspender),
             remind_after_s=self.cfg.suspend.remind_after,
         )
-
-
-def next_action(st: PolicyState, snap: Snapshot, cfg: Config) -> str | None:
-    """The state document's next_action in the suspend phases (None: not in one)."""
-    s = st.suspension
-    if s is None or st.phase not in SUSPEND_PHASES:
-        return None
-    if s.stage is Stage.DRAINING:
-        left = s.stage_since + cfg.suspend.drain_timeout - snap.now
-        return f"checkpoint the engine once nothing runs (at the latest in {max(0.0, left):.0f} s after the load balancer's grace)"
-    if s.stage is Stage.SUSPENDED:
-        return f"none until {HOW_TO_RESUME}" + (" (which starts a new engine)" if s.cold else "")
-    if s.stage is Stage.VERIFYING:
-        return "ready once /health answers 200 and one inference probe passes"
-    return f"wait for the GPU driver ({s.stage.value})"
 
 
 def _rss(pid: int) -> int | None:

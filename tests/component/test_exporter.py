@@ -309,3 +309,28 @@ def test_process_metrics_are_the_daemons_own():
     assert m["process_start_time_seconds"] == pytest.approx(psutil.Process().create_time(), abs=1.0)
     assert m["process_resident_memory_bytes"] > 0 and m["process_open_fds"] > 0 and "process_cpu_seconds_total" in m
     assert m["r3090d_engine_up"] == 1
+
+
+def test_a_suspension_is_exported_while_it_stands_and_absent_otherwise():
+    gib = 2**30
+    standing = {"stage": "suspended", "since": NOW - 3600, "pid": 6, "gpu_bytes": 15 * gib, "host_rss_bytes": 16 * gib}
+    m = samples(state_doc(Phase.SUSPENDED, suspend=standing))
+    assert m[("r3090d_suspended_since_timestamp_seconds", ())] == NOW - 3600
+    assert m[("r3090d_suspended_host_bytes", ())] == 16 * gib
+    assert m[("r3090d_suspended_gpu_bytes", ())] == 15 * gib
+    assert m[("r3090d_engine_state", (("state", "suspended"),))] == 1
+    # A resume checking for room leaves the suspension standing (a refusal changes nothing), as suspended_long counts it.
+    checking = samples(state_doc(Phase.RESUMING, suspend={**standing, "stage": "checking"}))
+    assert checking[("r3090d_suspended_since_timestamp_seconds", ())] == NOW - 3600
+    # Cold: no engine process holds host memory, and resuming needs the GPU bytes free all the same.
+    cold = samples(state_doc(Phase.SUSPENDED, suspend={**standing, "cold": True, "host_rss_bytes": None}))
+    assert ("r3090d_suspended_host_bytes", ()) not in cold and cold[("r3090d_suspended_gpu_bytes", ())] == 15 * gib
+    suspended = {"r3090d_suspended_since_timestamp_seconds", "r3090d_suspended_host_bytes", "r3090d_suspended_gpu_bytes"}
+    for phase, section in [
+        (Phase.SUSPENDING, {**standing, "stage": "checkpointing", "since": None}),
+        (Phase.RESUMING, {**standing, "stage": "restoring"}),
+        (Phase.READY, {"stage": None, "last": {"request": 2, "op": "resume", "result": "resumed"}}),
+        (Phase.READY, None),  # an older daemon's document: no section at all
+    ]:
+        names = {n for n, _ in samples(state_doc(phase, suspend=section))}
+        assert not names & suspended, (phase, section)

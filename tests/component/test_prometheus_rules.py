@@ -62,6 +62,7 @@ def exported_names() -> set[str]:
         },
         "alerts": {"firing": {"a": {"severity": "critical"}}, "silenced": {"a": 10.0}},
         "telemetry": stats.to_json(),
+        "suspend": {"stage": "suspended", "since": 0.0, "gpu_bytes": 1, "host_rss_bytes": 2},
     }
     registry = CollectorRegistry(auto_describe=False)
     registry.register(exporter.StateCollector(lambda: doc, clock=lambda: 1.0))
@@ -285,6 +286,16 @@ CASES = [
         start=1,
         labels=FIRING_JOB,
         annotations={"summary": "r3090d on gpu0 has been in maintenance mode for 4 hours"},
+    ),
+    AlertCase(
+        "R3090dSuspendedLong",
+        # Suspended at minute 0: 4 h (14,400 s) old at minute 240, not over; over at 241.
+        series=((sel("r3090d_suspended_since_timestamp_seconds", FIRING), "0+0x260"),),
+        # Suspended at minute 0 too, resumed and suspended again at minute 200: the current suspension is young.
+        quiet=((sel("r3090d_suspended_since_timestamp_seconds", QUIET), "0+0x199 12000+0x60"),),
+        start=241,
+        labels=FIRING_JOB,
+        annotations={"summary": "the engine on gpu0 has been suspended for 4h 1m 0s"},
     ),
     AlertCase(
         "R3090dKvCacheLow",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from r3090d import exitcodes
 from r3090d.effectors.checkpoint import FAKE_ENV
@@ -108,6 +110,15 @@ class Rig:
         return ctl(self.d.config, *args, timeout=timeout)
 
 
+SUSPENDED_GAUGES = ("r3090d_suspended_since_timestamp_seconds", "r3090d_suspended_host_bytes", "r3090d_suspended_gpu_bytes")
+
+
+def suspended_gauges(d) -> dict[str, float]:
+    """The exporter's suspended gauges, as a scrape of /metrics shows them."""
+    text = httpx.get(d.exporter_url + "/metrics", timeout=5.0, trust_env=False).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name in SUSPENDED_GAUGES}
+
+
 def proc_state(pid: int) -> str:
     text = Path(f"/proc/{pid}/stat").read_text()
     return text[text.rindex(")") + 2]
@@ -141,6 +152,24 @@ def test_one_holder_suspended_and_resumed_with_healthz_and_state_file_while_susp
     assert code == 503 and "suspended" in text
     record = json.loads((Path(r.d.sections["daemon"]["state_dir"]) / "suspended.json").read_text())
     assert (record["pid"], record["engine_pid"], record["bytes"]) == (core, api, ENGINE_MIB * 2**20)
+    # r3090ctl status: WARNING, and a panel saying since when, what the engine holds, and how to resume.
+    shown = r.ctl("status")
+    assert shown.returncode == exitcodes.WARNING, shown.stdout + shown.stderr
+    lines = shown.stdout.splitlines()
+    assert "Status     WARNING: engine suspended" in lines and "Resume     r3090ctl resume" in lines
+    rss_gib = psutil.Process(core).memory_info().rss / 2**30  # stopped: its RSS does not move
+    since = re.escape(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sus["since"])))
+    [panel] = [line for line in lines if line.startswith("Suspended  ")]
+    held = f"the engine holds {rss_gib:.1f} GiB of host memory, 15.0 GiB of GPU memory checkpointed"
+    assert re.fullmatch(rf"Suspended  since {since} \(\d+ (s|min) ago\); {re.escape(held)}", panel), panel
+    rc, out = ctl_json(r.d.config, "status")
+    assert rc == exitcodes.WARNING and out["state"]["suspend"]["stage"] == "suspended" and out["state"]["suspend"]["pid"] == core
+    # The exporter: when the suspension began, the host memory the engine holds, the GPU memory it checkpointed.
+    assert suspended_gauges(r.d) == {
+        "r3090d_suspended_since_timestamp_seconds": sus["since"],
+        "r3090d_suspended_host_bytes": psutil.Process(core).memory_info().rss,
+        "r3090d_suspended_gpu_bytes": ENGINE_MIB * 2**20,
+    }
 
     done = r.ctl("resume", "--wait")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -150,6 +179,7 @@ def test_one_holder_suspended_and_resumed_with_healthz_and_state_file_while_susp
     assert st["suspend"]["stage"] is None and st["suspend"]["last"]["result"] == "resumed"
     assert proc_state(core) != "T" and r.card_json()["processes"] == [[core, ENGINE_MIB]]
     assert wait_until(lambda: r.d.healthz()[0] == 200, 10), "/healthz back to 200"
+    wait_until(lambda: suspended_gauges(r.d) == {}, 10, what="the suspended gauges to go")
     assert not (Path(r.d.sections["daemon"]["state_dir"]) / "suspended.json").exists()
     assert r.driver_calls() == ["lock", "checkpoint", "restore", "unlock"]
     assert "suspend request 1: suspended" in r.d.log() and "resume request 2: resumed" in r.d.log()

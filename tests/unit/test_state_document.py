@@ -29,13 +29,18 @@ from r3090d.core.snapshot import (
     InferenceProbeSample,
     Snapshot,
 )
+from r3090d.core.suspension import Result, Stage, Suspension
 from r3090d.core.vocabulary import Phase
 from r3090d.service import exporter, statusview
 from r3090d.service.report import (
     FORMAT_VERSION,
     DaemonIdentity,
+    LastRequest,
     StateDocument,
+    SuspendInfo,
     UnreadableFormat,
+    WorkerInfo,
+    WorkerStep,
     parse,
     report,
 )
@@ -44,9 +49,19 @@ NOW = 1_800_000_000.0
 OFFSET = NOW - 1000.0  # monotonic 1000 is NOW on the wall clock
 
 
-def full_report(**policy) -> StateDocument:
+GIB = 1 << 30
+# The suspend section of a daemon whose engine was suspended and resumed once: no suspension stands.
+RESUMED = SuspendInfo(
+    last=LastRequest(2, "resume", Result.RESUMED, "pid 6 resumed, 15.0 GiB back on the GPU", NOW - 100),
+    worker=WorkerInfo(op="resume", pid=6, steps=(WorkerStep("restore", True, 2.1), WorkerStep("unlock", True, 0.01)), outcome="resumed", duration_s=2.2),
+    remind_after_s=14400.0,
+)  # fmt: skip
+CFG = config.from_dict({"engine": {"python": "/usr/bin/python3", "model": "/srv/model", "served_model_name": "m"}}, check_files=False)
+
+
+def full_report(suspend: SuspendInfo | None = RESUMED, **policy) -> StateDocument:
     """What a daemon with a ready engine, a firing alert, a silence and a preflight summary publishes."""
-    cfg = config.from_dict({"engine": {"python": "/usr/bin/python3", "model": "/srv/model", "served_model_name": "m"}}, check_files=False)
+    cfg = CFG
     st_ = PolicyState(
         phase=Phase.READY, phase_since=900.0, generation=3, ready_since=950.0, start_failures=1, last_root_cause="CUDA out of memory",
         backoff_level=2, restart_times=(800.0,), restarts_total=2, restarts_by_reason=(("kv", 1), ("requested", 1)),
@@ -56,8 +71,8 @@ def full_report(**policy) -> StateDocument:
                      ("kv_pressure", AlertEntry(clear_since=995.0))),
             silenced=(("kv_pressure", 1600.0),),
         ),
-        **policy,
     )  # fmt: skip
+    st_ = dataclasses.replace(st_, **policy)
     gpu = GpuSample(
         GpuStatus.OK, index=0, taken_at=999.0, name="RTX 3090", memory_total=24 << 30, memory_used=20 << 30, utilization_gpu=80,
         temperature_c=70, power_w=300.5, power_limit_w=350.0, compute_capability=(8, 6), clock_event_reasons=("gpu_idle",),
@@ -74,7 +89,7 @@ def full_report(**policy) -> StateDocument:
     stats.observe(0.3, (79,))
     summary = {"exit_code": 1, "checks": [{"name": "swap", "status": "warn", "measured": "on", "expected": "off", "hint": "swapoff -a", "permanent": True}], "at": NOW - 900}
     return report(st_, snap, cfg, identity=DaemonIdentity(1, NOW - 2000, "0.1.0", "gpu1"), offset=OFFSET, written_at=NOW - 1,
-                  tick_s=0.0123, preflight=summary, telemetry=stats.to_json())  # fmt: skip
+                  tick_s=0.0123, preflight=summary, telemetry=stats.to_json(), suspend=suspend)  # fmt: skip
 
 
 FULL = json.loads(json.dumps(full_report().to_json()))  # as a reader gets it: through JSON
@@ -94,7 +109,7 @@ def test_a_document_reads_back_as_it_was_written():
 def test_the_document_keeps_its_shape():
     assert set(FULL) == {
         "written_at", "daemon", "engine", "restarts", "next_action", "watch", "give_up_reason", "xid_seen", "health", "inference",
-        "thresholds", "metrics", "gpu", "alerts", "alert_book", "preflight", "telemetry", "format", "waiting",
+        "thresholds", "metrics", "gpu", "alerts", "alert_book", "preflight", "telemetry", "format", "waiting", "suspend",
     }  # fmt: skip
     assert FULL["format"] == FORMAT_VERSION and FULL["engine"]["phase"] == "ready" and "phase_text" not in FULL["engine"]
     assert FULL["alerts"]["firing"]["gpu_memory"] == {"severity": "critical", "summary": "GPU memory 23.9 GiB", "since": NOW - 10}
@@ -104,6 +119,10 @@ def test_the_document_keeps_its_shape():
     assert FULL["preflight"]["checks"][0] == {"name": "swap", "status": "warn", "measured": "on", "expected": "off", "hint": "swapoff -a", "permanent": True}
     assert FULL["gpu"]["processes"] == [{"pid": 5, "used_bytes": 1 << 30}] and FULL["gpu"]["compute_capability"] == [8, 6]
     assert FULL["waiting"] is None and set(FULL["watch"]) == {"gpu_signal_off"}
+    assert FULL["suspend"]["stage"] is None and FULL["suspend"]["last"] == {
+        "request": 2, "op": "resume", "result": "resumed", "detail": "pid 6 resumed, 15.0 GiB back on the GPU", "at": NOW - 100,
+    }  # fmt: skip
+    assert FULL["suspend"]["worker"]["steps"][0] == {"step": "restore", "ok": True, "took_s": 2.1, "error": ""}
 
 
 def preflight_document(waiting: str | None) -> dict:
@@ -135,7 +154,7 @@ def test_preflights_partial_document_is_read_and_judged():
 
 def test_an_older_daemons_document_is_read_with_defaults():
     old = copy.deepcopy(FULL)
-    del old["format"], old["thresholds"], old["inference"], old["watch"]
+    del old["format"], old["thresholds"], old["inference"], old["watch"], old["suspend"]
     for key in ("start_failures", "recent", "last_root_cause"):
         del old["restarts"][key]
     d = parse(old)
@@ -144,6 +163,8 @@ def test_an_older_daemons_document_is_read_with_defaults():
     names = {s.name for fam in exporter.families(d, NOW) for s in fam.samples}
     assert "r3090d_gpu_memory_alert_threshold_bytes" not in names and "r3090d_inference_probe_latency_seconds" not in names
     assert statusview.evaluate(d, running=True, now=NOW).line() == "CRITICAL: gpu_memory firing"
+    assert d.suspend is None and not {n for n in names if n.startswith("r3090d_suspended_")}
+    assert not [line for line in statusview.panel(d, statusview.evaluate(d, running=True, now=NOW), NOW) if "uspend" in line]
 
 
 @pytest.mark.parametrize("version", [FORMAT_VERSION + 1, 99, "3", True, None])
@@ -306,3 +327,110 @@ def test_preflight_trusts_the_engine_pids_of_a_live_daemons_readable_state(tmp_p
     assert own_engine_pids(cfg) == ()  # what a newer daemon wrote vouches for nothing
     state.write_text("[1, 2]")
     assert own_engine_pids(cfg) == ()
+
+
+# ------------------------------------------------------------------ the suspend section
+
+# The engine checkpointed 15 GiB at monotonic 900 (NOW - 100 on the wall clock), with one request frozen.
+STANDING = Suspension(Stage.SUSPENDED, 900.0, 1, target=6, bytes=15 * GIB, since=900.0, since_wall=NOW - 100, frozen_requests=1)
+
+
+def suspended_report(s: Suspension, phase: Phase, info: SuspendInfo) -> StateDocument:
+    return full_report(info, phase=phase, phase_since=s.stage_since, suspension=s, alerts=AlertBook())
+
+
+def standing_info(s: Suspension = STANDING, **changes) -> SuspendInfo:
+    """The section the daemon publishes for a suspension: SuspendService.document's, with a measured RSS."""
+    info = SuspendInfo(stage=s.stage, since=s.since_wall, cold=s.cold, pid=s.target, gpu_bytes=s.bytes, host_rss_bytes=16 * GIB,
+                       frozen_requests=s.frozen_requests, how_to_resume="r3090ctl resume",
+                       last=LastRequest(1, "suspend", Result.SUSPENDED, "pid 6 suspended, 15.0 GiB of GPU memory freed", NOW - 100),
+                       remind_after_s=14400.0)  # fmt: skip
+    return dataclasses.replace(info, **changes)
+
+
+def test_a_standing_suspension_reads_back_typed_with_what_to_do_next():
+    written = suspended_report(STANDING, Phase.SUSPENDED, standing_info())
+    raw = json.loads(json.dumps(written.to_json()))
+    read = parse(raw)
+    assert read == dataclasses.replace(written, engine=dataclasses.replace(written.engine, phase_text="suspended"))
+    assert read.suspend is not None and read.suspend.stage is Stage.SUSPENDED and read.suspend.last.result is Result.SUSPENDED
+    assert (read.suspend.since, read.suspend.gpu_bytes, read.suspend.host_rss_bytes) == (NOW - 100, 15 * GIB, 16 * GIB)
+    assert raw["suspend"]["stage"] == "suspended" and raw["suspend"]["last"]["result"] == "suspended"  # the shape --wait reads
+    assert read.next_action == "none until r3090ctl resume"
+    cold = dataclasses.replace(STANDING, cold=True)
+    assert suspended_report(cold, Phase.SUSPENDED, standing_info(cold)).next_action == "none until r3090ctl resume (which starts a new engine)"
+
+
+def test_next_action_follows_the_stage_of_a_suspend_or_resume_under_way():
+    drain = CFG.suspend.drain_timeout
+    draining = Suspension(Stage.DRAINING, 990.0, 1, target=6)  # 10 s ago (snap.now is 1000)
+    assert suspended_report(draining, Phase.SUSPENDING, standing_info(draining)).next_action == (
+        f"checkpoint the engine once nothing runs (at the latest in {drain - 10:.0f} s after the load balancer's grace)"
+    )
+    checkpointing = Suspension(Stage.CHECKPOINTING, 995.0, 1, target=6, bytes=15 * GIB)
+    assert suspended_report(checkpointing, Phase.SUSPENDING, standing_info(checkpointing)).next_action == "wait for the GPU driver (checkpointing)"
+    verifying = dataclasses.replace(STANDING, stage=Stage.VERIFYING, resuming=True)
+    assert suspended_report(verifying, Phase.RESUMING, standing_info(verifying)).next_action == "ready once /health answers 200 and one inference probe passes"
+    # A shutdown keeps the suspension (the engine stays suspended on record) but its next action is the shutdown's.
+    assert suspended_report(STANDING, Phase.SHUTTING_DOWN, standing_info()).next_action is None
+
+
+def test_a_damaged_suspend_section_costs_defaults_not_the_document():
+    doc = json.loads(json.dumps(suspended_report(STANDING, Phase.SUSPENDED, standing_info()).to_json()))
+    doc["suspend"].update(stage="hibernating", gpu_bytes="lots", frozen_requests=None)
+    doc["suspend"]["last"]["result"] = "teleported"  # a result a newer daemon may know
+    d = parse(doc)
+    assert d.suspend is not None and d.suspend.stage is None and d.suspend.gpu_bytes == 0 and d.suspend.frozen_requests == 0
+    assert d.suspend.last is not None and d.suspend.last.result is None and d.suspend.last.request == 1
+    assert parse({**doc, "suspend": "yes"}).suspend is None
+
+
+def panel_text(doc: StateDocument, now: float = NOW) -> tuple[statusview.Verdict, list[str]]:
+    verdict = statusview.evaluate(doc, running=True, now=now)
+    return verdict, statusview.panel(doc, verdict, now)
+
+
+def test_status_shows_a_standing_suspension_since_when_what_it_holds_and_how_to_resume():
+    now = NOW + 3 * 3600  # 3 h 01 min 40 s after the checkpoint
+    verdict, lines = panel_text(suspended_report(STANDING, Phase.SUSPENDED, standing_info()), now)
+    assert verdict.code == exitcodes.WARNING and verdict.line() == "WARNING: engine suspended"
+    assert f"Suspended  since {statusview.clock(NOW - 100)} (3 h 01 min ago); the engine holds 16.0 GiB of host memory, " \
+           "15.0 GiB of GPU memory checkpointed" in lines  # fmt: skip
+    assert "Frozen     1 request(s) frozen with the engine, to finish after resume" in lines
+    assert "Resume     r3090ctl resume" in lines
+    assert "Next       none until r3090ctl resume" in lines
+    assert not [line for line in lines if line.startswith(("Stage", "Last op", "Error"))]  # the last request succeeded
+
+
+def test_status_shows_a_cold_suspension_and_why_it_went_cold():
+    cold = dataclasses.replace(STANDING, cold=True, frozen_requests=0, error="the suspended engine exited with code -9 (OOM-killed? ...)")
+    info = standing_info(cold, host_rss_bytes=None, error=cold.error)
+    _, lines = panel_text(suspended_report(cold, Phase.SUSPENDED, info))
+    assert f"Suspended  since {statusview.clock(NOW - 100)} (1 min ago); no engine process is left: resuming starts a new one, " \
+           "which needs 15.0 GiB of GPU memory free" in lines  # fmt: skip
+    assert "Error      the suspended engine exited with code -9 (OOM-killed? ...)" in lines
+    assert "Resume     r3090ctl resume" in lines and not [line for line in lines if line.startswith("Frozen")]
+
+
+def test_status_shows_the_stage_of_a_suspend_under_way():
+    checkpointing = Suspension(Stage.CHECKPOINTING, 995.0, 3, target=6, bytes=15 * GIB)
+    worker = WorkerInfo(op="suspend", pid=6, in_flight=True, step="checkpoint")
+    verdict, lines = panel_text(suspended_report(checkpointing, Phase.SUSPENDING, standing_info(checkpointing, how_to_resume=None, worker=worker)))
+    assert verdict.line() == "WARNING: engine suspending"
+    assert "Stage      checkpointing (the GPU driver's suspend of pid 6: checkpoint)" in lines
+    assert not [line for line in lines if line.startswith(("Suspended", "Resume"))]  # not suspended yet
+
+
+def test_status_shows_how_the_last_request_failed_once():
+    # A resume refused for lack of room: still suspended, the refusal said once.
+    why = "the GPU has 2.0 GiB free, the engine needs 15.0 GiB plus a 512 MiB margin (held by pid 77 (python))"
+    refused = dataclasses.replace(STANDING, request=2, error=f"resume refused: {why}")
+    info = standing_info(refused, error=refused.error, last=LastRequest(2, "resume", Result.REFUSED, why, NOW - 60))
+    _, lines = panel_text(suspended_report(refused, Phase.SUSPENDED, info))
+    assert f"Last op    resume (request 2) refused 60 s ago: {why}" in lines
+    assert not [line for line in lines if line.startswith("Error")] and "Resume     r3090ctl resume" in lines
+    # A failed resume: the engine restarted cold and serves again; the failure stays in view, with its age.
+    failed = SuspendInfo(last=LastRequest(4, "resume", Result.FAILED, "restore failed: CUDA error; the engine restarts cold", NOW - 3600))
+    _, lines = panel_text(full_report(failed))
+    assert "Last op    resume (request 4) failed 60 min ago: restore failed: CUDA error; the engine restarts cold" in lines
+    assert not [line for line in panel_text(full_report())[1] if line.startswith(("Suspended", "Stage", "Last op", "Resume"))]
