@@ -376,8 +376,9 @@ def test_a_slow_checkpoint_never_holds_the_loop(rig, sockdir):
         in_window = [t for t in pings if began <= t <= ended]
         ping_gaps = [b - a for a, b in zip(in_window, in_window[1:], strict=False)]
         print(f"{len(writes)} state writes, max gap {max(gaps):.3f} s; {len(in_window)} watchdog pings, max gap {max(ping_gaps):.3f} s (poll {poll} s)")
-        assert len(writes) >= 5 / poll * 0.8 and max(gaps) <= 2 * poll
-        assert len(in_window) >= 5 / poll * 0.8 and max(ping_gaps) <= 2 * poll
+        # A loop held by the checkpoint would show one gap of 5 s; 4 polls leave room for a loaded 2-core machine.
+        assert len(writes) >= 5 / poll * 0.6 and max(gaps) <= 4 * poll
+        assert len(in_window) >= 5 / poll * 0.6 and max(ping_gaps) <= 4 * poll
     finally:
         stop.set()
         listener.join(1)
