@@ -665,7 +665,10 @@ def write_engine_python(base: Path, args) -> Path:
 
 def daemon_env(base: Path, dry_run: bool) -> tuple[dict[str, str], list[str]]:
     notes = []
-    paths = [str(ROOT)]
+    # The caller's PYTHONPATH may carry r3090d's dependencies (where they cannot be
+    # installed); never a fake NVML, which only a dry run puts first.
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and "fakenvml" not in p]
+    paths = [str(ROOT), *inherited]
     if importlib.util.find_spec("sdnotify") is None:
         stub = base / "stubs" / "sdnotify"
         stub.mkdir(parents=True)
