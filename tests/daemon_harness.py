@@ -12,10 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
+
+from tests import waiting
 
 
 def free_port() -> int:
@@ -117,20 +118,29 @@ class DaemonProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_for(self, predicate, timeout: float, what: str, interval: float = 0.02):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """Until `predicate(state)` is truthy; fails at once if the daemon exits first."""
+
+        def check():
+            # Asked before the read: a state written just before the exit still counts.
+            exited = self.proc.poll() is not None
             st = self.state()
-            if st is not None:
-                try:
-                    value = predicate(st)
-                except (KeyError, TypeError):
-                    value = None
-                if value:
-                    return value
-            if self.proc.poll() is not None and not predicate.__dict__.get("allow_exit"):
-                raise AssertionError(f"daemon exited {self.proc.returncode} while waiting for {what}\n{self.log()[-4000:]}")
-            time.sleep(interval)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}\nstate: {self.state()}\n{self.log()[-4000:]}")
+            try:
+                value = st is not None and predicate(st)
+            except (KeyError, TypeError):  # a state without that part (yet)
+                value = None
+            if not value and exited:
+                raise AssertionError(
+                    f"daemon exited {self.proc.returncode} while waiting for {what}\n{self.log()[-4000:]}"
+                )
+            return value
+
+        return waiting.wait_until(
+            check,
+            timeout,
+            what=what,
+            interval=interval,
+            details=lambda: f"state: {self.state()}\n{self.log()[-4000:]}",
+        )
 
     def wait_ready(self, timeout: float = 30.0, generation_pid: int | None = None) -> dict:
         def ready(st):
@@ -169,18 +179,9 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.01, what: str | None = None):
-    """Poll until `predicate()` is truthy; on timeout raise if `what` names the wait, else return the last value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    value = predicate()
-    if not value and what is not None:
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-    return value
+def wait_until(predicate, timeout: float, interval: float = 0.01, what: str = "the condition"):
+    """tests.waiting.wait_until with `what` optional, for the test files that still import it from here."""
+    return waiting.wait_until(predicate, timeout, what=what, interval=interval)
 
 
 def bind_unix_dgram(path: Path, timeout: float = 5.0) -> socket.socket:

@@ -35,6 +35,7 @@ from r3090d.config import AlertmanagerConfig, AlertsConfig, SyslogConfig
 from r3090d.core.actions import SendAlert
 from r3090d.effectors.alertformat import AlertContext
 from r3090d.effectors.alerts import AlertDispatcher
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 
@@ -69,17 +70,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-
-
 def parse_time(text: str) -> float:
     return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
@@ -92,15 +82,14 @@ class Webhook:
 
     def __init__(self):
         self.notifications: list[dict] = []
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         hook = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802 (http.server's name)
                 data = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with hook._cond:
+                with hook._lock:
                     hook.notifications.append(data)
-                    hook._cond.notify_all()
                 self.send_response(200)
                 self.end_headers()
 
@@ -112,14 +101,18 @@ class Webhook:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def alerts(self) -> list[dict]:
-        with self._cond:
+        with self._lock:
             return [a for n in self.notifications for a in n["alerts"]]
 
     def wait(self, predicate, timeout: float, what: str) -> list[dict]:
-        with self._cond:
-            if not self._cond.wait_for(lambda: any(predicate(a) for n in self.notifications for a in n["alerts"]), timeout):
-                raise AssertionError(f"webhook: no {what} within {timeout} s; got {self.notifications}")
-            return [a for n in self.notifications for a in n["alerts"]]
+        """Until an alert matching `predicate` was notified; returns every alert notified so far."""
+        wait_until(
+            lambda: any(predicate(a) for a in self.alerts()),
+            timeout,
+            what=f"{what} at the webhook",
+            details=lambda: f"got {self.alerts()}",
+        )
+        return self.alerts()
 
     def close(self):
         self.server.shutdown()
@@ -165,7 +158,7 @@ class Alertmanager:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        wait_for(self._ready, timeout, "Alertmanager ready")
+        wait_until(self._ready, timeout, what="Alertmanager ready")
         return self
 
     def _ready(self) -> bool:
@@ -236,7 +229,7 @@ def test_firing_alert_has_its_labels_reaches_the_webhook_and_resends_keep_it_pas
     with dispatcher(alertmanager.url, resend=1.0) as d:
         before = time.time()
         d.submit(GAVE_UP)
-        got = wait_for(lambda: alertmanager.find("gave_up"), 10, "gave_up in GET /api/v2/alerts")
+        got = wait_until(lambda: alertmanager.find("gave_up"), 10, what="gave_up in GET /api/v2/alerts")
         assert got["labels"] == EXPECTED_LABELS
         assert got["annotations"] == {"summary": GAVE_UP.summary, "root_cause": CAUSE}
         assert got["status"]["state"] == "active"
@@ -254,7 +247,7 @@ def test_firing_alert_has_its_labels_reaches_the_webhook_and_resends_keep_it_pas
         assert parse_time(alertmanager.find("gave_up")["endsAt"]) > first_end + 3.0
 
         d.submit(SendAlert("gave_up", "critical", "resolved", "the engine is ready again after a give-up"))
-        wait_for(lambda: alertmanager.find("gave_up") is None, 10, "gave_up resolved in Alertmanager")
+        wait_until(lambda: alertmanager.find("gave_up") is None, 10, what="gave_up resolved in Alertmanager")
         resolved = webhook.wait(lambda a: a["labels"] == EXPECTED_LABELS and a["status"] == "resolved", 15, "gave_up RESOLVED")
         assert [a["startsAt"] for a in resolved if a["status"] == "resolved"][-1] == got["startsAt"]
         assert d.flush(5)
@@ -265,17 +258,17 @@ def test_firing_alert_has_its_labels_reaches_the_webhook_and_resends_keep_it_pas
 def test_an_event_lasts_five_minutes_and_a_condition_held_back_by_the_lifecycle_still_arrives(alertmanager):
     with dispatcher(alertmanager.url, resend=60.0) as d:
         d.submit(SendAlert("engine_restarted", "warning", "firing", f"engine restarting (exited): code 1; root cause: {CAUSE}, next start in 2 s"))
-        event = wait_for(lambda: alertmanager.find("engine_restarted"), 10, "engine_restarted")
+        event = wait_until(lambda: alertmanager.find("engine_restarted"), 10, what="engine_restarted")
         assert parse_time(event["endsAt"]) - parse_time(event["startsAt"]) == pytest.approx(300.0, abs=1.0)
         assert event["annotations"]["root_cause"] == CAUSE
 
         # The lifecycle's table says gpu_memory fires (its FIRING was held back by a silence): sync() sends it.
         held = type("Entry", (), {"severity": "warning", "summary": "GPU memory used 23600 MiB", "since": 5.0})()
         d.sync({"gpu_memory": held}, wall_offset=time.time() - 10.0)
-        got = wait_for(lambda: alertmanager.find("gpu_memory"), 10, "gpu_memory from sync()")
+        got = wait_until(lambda: alertmanager.find("gpu_memory"), 10, what="gpu_memory from sync()")
         assert parse_time(got["startsAt"]) == pytest.approx(time.time() - 5.0, abs=1.0)  # its since, not now
         d.sync({}, wall_offset=0.0)  # no longer in the lifecycle's table: resolved
-        wait_for(lambda: alertmanager.find("gpu_memory") is None, 10, "gpu_memory resolved by sync()")
+        wait_until(lambda: alertmanager.find("gpu_memory") is None, 10, what="gpu_memory resolved by sync()")
 
 
 @needs_alertmanager
@@ -287,7 +280,7 @@ def test_exit_mode_alerts_run_six_hours_ahead_and_the_next_start_resolves_them(a
         d.submit(SendAlert("preflight_failed", "critical", "firing", "preflight failed: driver: 470.0 (expected >= 535.0)"))
         assert d.flush(10)
     for name in ("gave_up", "preflight_failed"):
-        got = wait_for(lambda n=name: alertmanager.find(n), 10, name)
+        got = wait_until(lambda n=name: alertmanager.find(n), 10, what=name)
         assert parse_time(got["endsAt"]) - time.time() == pytest.approx(6 * 3600, abs=60)
     saved = json.loads((state / "alertmanager.json").read_text())
     assert sorted(a["key"] for a in saved["alerts"]) == ["gave_up", "preflight_failed"]
@@ -297,10 +290,18 @@ def test_exit_mode_alerts_run_six_hours_ahead_and_the_next_start_resolves_them(a
     later = AlertsConfig(syslog=SyslogConfig(enabled=False), alertmanager=AlertmanagerConfig(enabled=True, url=alertmanager.url))
     d2 = AlertDispatcher(later, AlertContext(hostname="gpu-host", gpu_index=0, instance=1), state_dir=state)
     try:
-        wait_for(lambda: alertmanager.find("gave_up") is None and alertmanager.find("preflight_failed") is None, 10, "both resolved")
+        wait_until(
+            lambda: alertmanager.find("gave_up") is None and alertmanager.find("preflight_failed") is None,
+            10,
+            what="both resolved",
+        )
         webhook.wait(lambda a: a["labels"] == EXPECTED_LABELS and a["status"] == "resolved", 15, "gave_up RESOLVED")
         assert d2.flush(10)
-        wait_for(lambda: json.loads((state / "alertmanager.json").read_text())["alerts"] == [], 10, "an empty table on disk")
+        wait_until(
+            lambda: json.loads((state / "alertmanager.json").read_text())["alerts"] == [],
+            10,
+            what="an empty table on disk",
+        )
     finally:
         d2.close()
 
@@ -351,7 +352,9 @@ def test_a_down_alertmanager_never_slows_submit(down):
             # backoff; the bound leaves room for a loaded machine's scheduling.
             assert worst < 0.1, f"a submit() took {worst * 1000:.1f} ms"
             assert median < 0.001, f"the median submit() took {median * 1000:.2f} ms"
-            wait_for(lambda: d.status()["alertmanager"]["failing"], 10, "the channel to report the failure")
+            wait_until(
+                lambda: d.status()["alertmanager"]["failing"], 10, what="the channel to report the failure"
+            )
             # One POST per key waits, the newest, however many states were submitted (plus one in flight).
             assert d.status()["alertmanager"]["pending"] <= len(keys) + 1
             started = time.perf_counter()
@@ -382,13 +385,13 @@ def test_inhibit_rule_suppresses_the_prometheus_copy_while_r3090d_own_alert_fire
 
     with dispatcher(alertmanager.url, resend=1.0) as d:
         d.submit(GAVE_UP)
-        wait_for(lambda: alertmanager.find("gave_up"), 10, "r3090d's own gave_up")
+        wait_until(lambda: alertmanager.find("gave_up"), 10, what="r3090d's own gave_up")
         alertmanager.post([prometheus_copy("gpu-host"), prometheus_copy("other-host")])
 
-        copy = wait_for(
+        copy = wait_until(
             lambda: (a := alertmanager.find("R3090dCriticalCondition", host="gpu-host")) and a["status"]["inhibitedBy"] and a,
             15,
-            "the copy for gpu-host to be inhibited",
+            what="the copy for gpu-host to be inhibited",
         )
         assert copy["status"]["state"] == "suppressed"
         other = alertmanager.find("R3090dCriticalCondition", host="other-host")
@@ -444,7 +447,7 @@ def test_cli_alerts_test_posts_to_each_alertmanager_and_reports_a_dead_one(alert
     report = {c["channel"]: c for c in json.loads(proc.stdout)["channels"]}
     assert report["alertmanager[0]"]["ok"] is True and report["alertmanager[0]"]["target"] == alertmanager.url
     assert report["alertmanager[1]"]["ok"] is False and "Connection refused" in report["alertmanager[1]"]["detail"]
-    got = wait_for(lambda: alertmanager.find("test"), 10, "the test alert")
+    got = wait_until(lambda: alertmanager.find("test"), 10, what="the test alert")
     assert got["labels"]["severity"] == "info" and got["labels"]["host"] == socket.gethostname()
     assert "t0ken" not in proc.stdout + proc.stderr
 

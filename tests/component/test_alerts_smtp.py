@@ -38,6 +38,7 @@ from r3090d.effectors import channels
 from r3090d.effectors.alertformat import AlertContext
 from r3090d.effectors.alerts import AlertDispatcher
 from tests.daemon_harness import bind_unix_dgram
+from tests.waiting import wait_until
 
 pytestmark = [
     pytest.mark.component,
@@ -75,22 +76,24 @@ class Recorder:
 
     def __init__(self):
         self.messages: list[Received] = []
-        self._cond = threading.Condition()
 
     async def handle_DATA(self, server, session, envelope):  # noqa: N802 (aiosmtpd's hook name)
         parsed = email.message_from_bytes(envelope.content, policy=email.policy.default)
         login = session.auth_data.login.decode() if isinstance(session.auth_data, LoginPassword) else None
         # session.ssl is set by STARTTLS only; an implicit-TLS transport carries its ssl_object.
         tls = session.ssl is not None or server.transport.get_extra_info("ssl_object") is not None
-        with self._cond:
-            self.messages.append(Received(envelope.mail_from, list(envelope.rcpt_tos), parsed, tls, login))
-            self._cond.notify_all()
+        self.messages.append(Received(envelope.mail_from, list(envelope.rcpt_tos), parsed, tls, login))
         return "250 2.0.0 OK"
 
     def wait_for(self, n: int, timeout: float) -> list[Received]:
-        with self._cond:
-            self._cond.wait_for(lambda: len(self.messages) >= n, timeout)
-            return list(self.messages)
+        """Until `n` messages were accepted; returns every message accepted so far."""
+        wait_until(
+            lambda: len(self.messages) >= n,
+            timeout,
+            what=f"{n} messages accepted",
+            details=lambda: f"accepted {len(self.messages)}",
+        )
+        return list(self.messages)
 
 
 def password_checker(expected_user: str, expected_password: str, echo: bool = False):
@@ -487,6 +490,7 @@ def test_hung_server_never_blocks_submit_and_retries_deliver_after_it_recovers(s
         assert dispatcher.flush(0.5) is False  # email is still stuck
         flush_wait = time.monotonic() - t
         assert 0.45 <= flush_wait < 1.0
+        # Time passing on purpose: half the outage.
         time.sleep(hang_seconds / 2 - (time.monotonic() - started))
         t = time.perf_counter()
         dispatcher.submit(sent[3])  # mid-outage, the worker is inside a connect or a backoff
@@ -494,6 +498,7 @@ def test_hung_server_never_blocks_submit_and_retries_deliver_after_it_recovers(s
         syslog.recv(65536)
         assert dispatcher.status()["email"]["delivered"] == 0
         assert len(hung.accepted) >= 4  # the client really did keep trying the hung server
+        # Time passing on purpose: the rest of the outage.
         time.sleep(max(0.0, hang_seconds - (time.monotonic() - started)))
         hung.close()
         with smtp_server(port=port) as (_, recorder):

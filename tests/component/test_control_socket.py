@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from r3090d.service import control, control_client, control_protocol
-from tests.ctl_harness import wait_until
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 

@@ -21,7 +21,8 @@ import pytest
 
 from r3090d import exitcodes
 from r3090d.service import control_client
-from tests.ctl_harness import CTL, ctl, ctl_json, wait_until
+from tests.ctl_harness import CTL, ctl, ctl_json
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 
@@ -157,6 +158,13 @@ def test_status_follows_start_kv_restart_backoff_maintenance_reload_and_give_up(
     rc, out = status(d)
     assert rc == exitcodes.WARNING and "maintenance mode" in out["reasons"]
     d.fake("POST", "/fake/control", json={"metrics": "leak", "kv_usage": 0.999})
+
+    def leak_seen() -> bool:
+        free = d.state()["metrics"]["free_blocks"]
+        return free is not None and free < WATCHDOG["min_free_blocks"]
+
+    wait_until(leak_seen, 5, what="the leak in the state")
+    # Time passing on purpose: ten polls of the leak, and no restart in maintenance.
     time.sleep(10 * WATCHDOG["poll_interval"])
     st = d.state()
     assert st["engine"]["pid"] == third_pid and st["restarts"]["total"] == 2

@@ -12,7 +12,8 @@ import pytest
 
 from r3090d import exitcodes
 from r3090d.service import control_client, control_protocol
-from tests.ctl_harness import CTL, ctl, ctl_json, engine_config, wait_until, write_config
+from tests.ctl_harness import CTL, ctl, ctl_json, engine_config, write_config
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from aiosmtpd.controller import Controller
 
-from tests.daemon_harness import DaemonProcess, engine_config, free_port, wait_until, write_config
+from tests.daemon_harness import DaemonProcess, engine_config, free_port, write_config
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 
@@ -126,7 +127,7 @@ def test_memory_alert_by_email_and_syslog_and_smtp_hang_never_stalls_the_loop(tm
 
         # 1. Memory above the threshold: the alert reaches both channels.
         card.write_text(json.dumps({"memory_used_mib": 2500}))
-        assert wait_until(lambda: inbox.messages, 20), d.log()[-3000:]
+        wait_until(lambda: inbox.messages, 20, what="the FIRING email", details=lambda: d.log()[-3000:])
         rcpts, msg = inbox.messages[0]
         assert sorted(rcpts) == ["oncall@example.org", "ops@example.org"]
         subject = msg["Subject"]
@@ -164,7 +165,9 @@ def test_memory_alert_by_email_and_syslog_and_smtp_hang_never_stalls_the_loop(tm
         hanging = None
         smtp = Controller(inbox, hostname="127.0.0.1", port=smtp_port)
         smtp.start()
-        assert wait_until(lambda: len(inbox.messages) >= 2, 60), d.log()[-3000:]
+        wait_until(
+            lambda: len(inbox.messages) >= 2, 60, what="the RESOLVED email", details=lambda: d.log()[-3000:]
+        )
         assert "RESOLVED" in inbox.messages[1][1]["Subject"]
         assert "GPU memory used 500 MiB" in inbox.messages[1][1].get_payload(decode=True).decode()
     finally:

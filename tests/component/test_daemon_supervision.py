@@ -11,7 +11,8 @@ import psutil
 import pytest
 
 from r3090d import exitcodes
-from tests.daemon_harness import DaemonProcess, engine_config, group_members, wait_until, write_config
+from tests.daemon_harness import DaemonProcess, engine_config, group_members, write_config
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 
@@ -166,8 +167,13 @@ def test_busy_port_is_waited_on_then_the_engine_starts(run_daemon, tmp_path, fak
     squatter.listen()
     try:
         d = run_daemon(sections)
-        assert wait_until(lambda: "preflight: waiting for port" in d.log(), 20), d.log()[-2000:]
-        time.sleep(1.0)
+        wait_until(
+            lambda: "preflight: waiting for port" in d.log(),
+            20,
+            what="preflight waiting for the port",
+            details=lambda: d.log()[-2000:],
+        )
+        time.sleep(1.0)  # time passing on purpose: while the port stays busy, no engine starts
         assert d.proc.poll() is None
         assert "starting engine" not in d.log()
     finally:

@@ -16,6 +16,7 @@ from r3090d.core.snapshot import HealthStatus
 from r3090d.probes import inference
 from r3090d.probes.engine import EngineProbe, fetch_metrics, probe_health
 from r3090d.probes.inference import InferenceProber
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 
@@ -501,7 +502,6 @@ def test_a_probe_stuck_past_its_timeout_is_failed_not_left_in_flight():
     DNS lookup would): the sample still reports a failure once timeout + margin has passed."""
     import socket
     import threading
-    import time
 
     from r3090d.probes import inference
 
@@ -516,9 +516,10 @@ def test_a_probe_stuck_past_its_timeout_is_failed_not_left_in_flight():
     try:
         prober.send()
         assert prober.sample().ok is None  # in flight
-        deadline = time.monotonic() + 0.5 + inference.OVERDUE_MARGIN_S + 5
-        while time.monotonic() < deadline and prober.sample().ok is None:
-            time.sleep(0.05)
+        overdue_s = 0.5 + inference.OVERDUE_MARGIN_S + 5
+        wait_until(
+            lambda: prober.sample().ok is not None, overdue_s, what="the overdue probe judged", interval=0.05
+        )
         s = prober.sample()
         assert s.ok is False and s.consecutive_failures == 1 and "outlived its timeout" in s.detail
         hold.set()  # the late answer of the abandoned thread changes nothing
@@ -527,9 +528,7 @@ def test_a_probe_stuck_past_its_timeout_is_failed_not_left_in_flight():
                 t.join(5)
         assert prober.sample().ok is False
         prober.send()  # and a new probe can be sent, and is answered
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not prober.sample().ok:
-            time.sleep(0.02)
+        wait_until(lambda: prober.sample().ok, 5, what="the new probe answered")
         assert prober.sample().ok is True and prober.sample().consecutive_failures == 0
     finally:
         hold.set()

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from r3090d.service import exporter, httpserver
-from tests.ctl_harness import wait_until
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 

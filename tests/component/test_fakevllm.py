@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from r3090d import config
 from r3090d.argv import build_argv, engine_env, engine_version, parse_version
-from tests.daemon_harness import wait_until
 from tests.fakevllm.harness import FakeVllm, free_port, http, read_sse, sse_events
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 
@@ -89,10 +89,6 @@ def port_bound(port: int) -> bool:
             return e.errno == errno.EADDRINUSE
 
 
-def wait_for(predicate, timeout: float, step: float = 0.02) -> bool:
-    return bool(wait_until(predicate, timeout, step))
-
-
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -153,7 +149,7 @@ def test_startup_delay_binds_the_port_but_refuses_until_loaded(fake_vllm):
     started = time.monotonic()
     # The delay starts once the port is bound, so a slow interpreter start cannot eat into it.
     double = fake_vllm("--fake-startup-delay", "3.0")
-    assert wait_for(lambda: port_bound(double.port), 10), "the port should be bound while loading"
+    wait_until(lambda: port_bound(double.port), 10, what="the port bound while loading")
     assert refused(double.port)
     double.wait_healthy()
     assert time.monotonic() - started >= 3.0
@@ -164,7 +160,7 @@ def test_exit_during_start_never_listens(fake_vllm):
     double = fake_vllm("--fake-startup-delay", "0.2", "--fake-exit-during-start", "3")
     assert double.wait(5) == 3
     assert "Application startup complete." not in double.output()
-    assert wait_for(lambda: not double.group_pids(), 2.0)
+    wait_until(lambda: not double.group_pids(), 2.0, what="the whole group gone")
 
 
 def test_api_key_in_argv_is_refused_without_echoing_it(fake_vllm):
@@ -352,7 +348,8 @@ def test_metrics_shapes_from_the_control_endpoint(fake_vllm):
 
     double.control(metrics="load", kv_usage=0.9, load_running=6, load_tokens_per_s=500)
     first = gen()
-    assert wait_for(lambda: gen() - first >= 100, 10)  # the load shape's counter advances on its own
+    # The load shape's counter advances on its own.
+    wait_until(lambda: gen() - first >= 100, 10, what="100 generated tokens")
     text = http().get(double.url + "/metrics").text
     assert metric(text, "vllm:num_requests_running") == 6 and metric(text, "vllm:kv_cache_usage_perc") == 0.9
     assert metric(text, "vllm:generation_tokens_total") - first >= 100
@@ -361,7 +358,7 @@ def test_metrics_shapes_from_the_control_endpoint(fake_vllm):
     idle = http().get(double.url + "/metrics").text
     assert metric(idle, "vllm:kv_cache_usage_perc") == 0.0 and metric(idle, "vllm:num_requests_running") == 0
     flat = gen()
-    time.sleep(0.1)
+    time.sleep(0.1)  # time passing on purpose: the idle shape's counter stays where it is
     assert gen() == flat
 
     double.control(metrics="live", metrics_values={"waiting": 5, "preemptions": 9})
@@ -394,7 +391,7 @@ def test_metrics_file_serves_a_real_capture(fake_vllm):
 def test_health_503_after_and_hang_from_control(fake_vllm):
     double = fake_vllm("--fake-health-503-after", "0.3")
     double.wait_healthy()
-    assert wait_for(lambda: http().get(double.url + "/health").status_code == 503, 2.0)
+    wait_until(lambda: http().get(double.url + "/health").status_code == 503, 2.0, what="/health 503")
     double.control(health="ok", hang=True)
     hung_result = {}
     hung = threading.Thread(target=lambda: hung_result.update(r=http().get(double.url + "/health", timeout=5)))
@@ -410,7 +407,7 @@ def test_health_503_after_and_hang_from_control(fake_vllm):
 def test_hang_after(fake_vllm):
     double = fake_vllm("--fake-hang-after", "0.2")
     double.wait_healthy()
-    assert wait_for(lambda: double.state()["hang"], 2.0)  # the double's own endpoints still answer
+    wait_until(lambda: double.state()["hang"], 2.0, what="the hang")  # the double's own endpoints still answer
     with pytest.raises(httpx.ReadTimeout):
         http().get(double.url + "/health", timeout=0.3)
 
@@ -422,7 +419,7 @@ def test_frozen_engine_core_stalls_generation_but_not_health(fake_vllm):
     core = double.state()["engine_core_pid"]
     os.kill(core, signal.SIGSTOP)
     try:
-        assert wait_for(lambda: double.state()["engine_core_state"] == "T", 2.0)
+        wait_until(lambda: double.state()["engine_core_state"] == "T", 2.0, what="the EngineCore stopped")
         started = time.monotonic()
         assert http().get(double.url + "/health").status_code == 200
         assert time.monotonic() - started < 1.0
@@ -452,11 +449,11 @@ def test_engine_core_death_errors_streams_then_the_server_exits(fake_vllm):
     assert result["first_token"].wait(5)
     state = double.state()
     os.kill(state["engine_core_pid"], signal.SIGKILL)
-    assert wait_for(lambda: http().get(double.url + "/health").status_code == 503, 2.0)
+    wait_until(lambda: http().get(double.url + "/health").status_code == 503, 2.0, what="/health 503")
     thread.join(5)
     assert result["events"][-2]["error"]["code"] == 500 and result["events"][-1] == "[DONE]"
     assert double.wait(5) == 0  # vLLM may exit 0 after its engine died (issue 48966)
-    assert wait_for(lambda: not alive(state["worker_pid"]), 2.0)
+    wait_until(lambda: not alive(state["worker_pid"]), 2.0, what="the worker gone")
 
 
 def test_exit_after_with_code(fake_vllm):
@@ -488,7 +485,7 @@ def test_sigterm_with_shutdown_timeout_drains_streams(fake_vllm):
     thread, result = stream_in_thread(double, 150)  # 4.5 s: the drain is still on after the port check
     assert result["first_token"].wait(5)
     double.signal(signal.SIGTERM)
-    assert wait_for(lambda: refused(double.port), 2.0), "no new connections while draining"
+    wait_until(lambda: refused(double.port), 2.0, what="no new connections while draining")
     assert double.proc.poll() is None
     thread.join(15)
     assert result["error"] is None
@@ -496,7 +493,7 @@ def test_sigterm_with_shutdown_timeout_drains_streams(fake_vllm):
     assert len(tokens) == 150 and tokens[-1]["choices"][0]["finish_reason"] == "length"
     assert result["events"][-1] == "[DONE]"
     assert double.wait(5) == 0
-    assert wait_for(lambda: not double.group_pids(), 2.0)
+    wait_until(lambda: not double.group_pids(), 2.0, what="the whole group gone")
 
 
 def test_sigterm_to_the_whole_group_kills_the_core_and_errors_streams(fake_vllm):
@@ -534,7 +531,7 @@ def test_engine_core_that_ignores_sigterm_is_left_running(fake_vllm):
     core = double.state()["engine_core_pid"]
     double.signal(signal.SIGTERM)
     assert double.wait(5) == 0
-    time.sleep(0.2)
+    time.sleep(0.2)  # time passing on purpose: nothing kills the core that ignored SIGTERM
     assert alive(core) and ppid_of(core) != double.pid
     assert core in double.group_pids()  # still in the group, so a group SIGKILL reaches it
 
@@ -546,7 +543,7 @@ def test_engine_core_that_ignores_sigterm_is_killed_after_the_wait(fake_vllm):
     double.signal(signal.SIGTERM)
     assert double.wait(5) == 0
     assert time.monotonic() - started >= 0.5
-    assert wait_for(lambda: not double.group_pids(), 2.0)
+    wait_until(lambda: not double.group_pids(), 2.0, what="the whole group gone")
 
 
 def test_sigkill_of_the_server_orphans_core_and_worker(fake_vllm):
@@ -555,7 +552,7 @@ def test_sigkill_of_the_server_orphans_core_and_worker(fake_vllm):
     state = double.state()
     double.signal(signal.SIGKILL)
     double.wait(5)
-    time.sleep(0.3)
+    time.sleep(0.3)  # time passing on purpose: the orphans outlive the server
     assert alive(state["engine_core_pid"]) and alive(state["worker_pid"])
     assert double.group_pids() == {state["engine_core_pid"], state["worker_pid"]}
 
@@ -584,7 +581,7 @@ def test_runs_as_a_plain_script(tmp_path):
     proc = subprocess.Popen([os.sys.executable, str(script), "--port", str(port), "--host", "127.0.0.1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
-        assert wait_for(lambda: not refused(port), 5.0)
+        wait_until(lambda: not refused(port), 5.0, what="the port accepting")
         assert http().get(f"http://127.0.0.1:{port}/health").status_code == 200
     finally:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.daemon_harness import DaemonProcess, engine_config, group_members, wait_until, write_config
+from tests.daemon_harness import DaemonProcess, engine_config, group_members, write_config
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 
@@ -98,7 +99,7 @@ def test_a_second_user_of_the_card_switches_the_gpu_view_off(tmp_path, fake_engi
         st = wait_until(lambda: (s := d.state()) and "4242" in (s["watch"]["gpu_signal_off"] or "") and s, 20, what="the view switched off")
         assert st["watch"]["gpu_signal_off"] == "another process uses the GPU (pid 4242)"
         # Requests running, the GPU reading 0% (the desktop's share of the card is not the engine's): no gpu_idle restart.
-        time_limit = time.monotonic() + 5.0
+        time_limit = time.monotonic() + 5.0  # time passing on purpose: no restart may come within it
         while time.monotonic() < time_limit:
             assert d.state()["restarts"]["total"] == 0
             time.sleep(0.1)

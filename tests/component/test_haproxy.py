@@ -23,8 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.ctl_harness import ctl, wait_until
+from tests.ctl_harness import ctl
 from tests.daemon_harness import free_port
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.component, pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed (apt-get install haproxy)")]
 
@@ -131,9 +132,12 @@ def test_drained_restart_behind_haproxy_loses_no_request(make_daemon, tmp_path):
         wait_until(lambda: stats.exists() and all(show_stat(stats)[f"gpu{i}"]["status"] == "UP" for i in range(2)), 15, interval=0.1, what="both servers UP")
         url = f"http://127.0.0.1:{listen}"
         clients = Clients(url).start()
-        time.sleep(2.0)  # traffic on both before the restart
-        before = {i: _served(d) for i, d in enumerate(daemons)}
-        assert all(before.values()), f"both engines should serve before the restart: {before}"
+        wait_until(
+            lambda: all(_served(d) for d in daemons),
+            30,
+            what="both engines serving before the restart",
+            details=lambda: f"served: {[_served(d) for d in daemons]}",
+        )
 
         t0 = time.monotonic()
         out = ctl(daemons[0].config, "restart", "--wait", timeout=120)
@@ -141,17 +145,24 @@ def test_drained_restart_behind_haproxy_loses_no_request(make_daemon, tmp_path):
         assert out.returncode == 0, out
         wait_until(lambda: show_stat(stats)["gpu0"]["status"] == "UP", 15, interval=0.1, what="gpu0 back UP")
         new_engine_start = _served(daemons[0])
-        time.sleep(2.0)  # traffic back on the restarted engine
+        wait_until(
+            lambda: _served(daemons[0]) > new_engine_start, 30, what="traffic back on the restarted engine"
+        )
         clients.finish()
         after_new = _served(daemons[0]) - new_engine_start
         st = show_stat(stats)
-        # HAProxy logs a request once it has ended: wait for the last lines (a loaded machine is slow to write them).
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            logged = sum(1 for line in (tmp_path / "haproxy.log").read_text().splitlines() if _routed(line)[1])
-            if logged >= clients.ok:
-                break
-            time.sleep(0.1)
+        # HAProxy logs a request once it has ended: wait for the last lines (a loaded machine is slow to
+        # write them), as many as the assertion below asks for.
+        def logged() -> int:
+            return sum(1 for line in (tmp_path / "haproxy.log").read_text().splitlines() if _routed(line)[1])
+
+        wait_until(
+            lambda: logged() >= clients.ok - 2,
+            10,
+            what="HAProxy's log lines",
+            interval=0.1,
+            details=lambda: f"{logged()} of {clients.ok}",
+        )
     finally:
         proxy.terminate()
         proxy.wait(10)

@@ -27,8 +27,9 @@ import psutil
 import pytest
 
 from r3090d.service import exporter, forensics
-from tests.daemon_harness import DaemonProcess, engine_config, free_port, wait_until, write_config
+from tests.daemon_harness import DaemonProcess, engine_config, free_port, write_config
 from tests.fakevllm.harness import sse_events
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 
@@ -320,9 +321,12 @@ def test_as_pid1_engine_crashes_leave_no_zombie_and_each_exit_keeps_its_real_sta
         os.kill(main, signal.SIGKILL)  # the API server dies; its EngineCore and Worker go to PID 1
         st = d.wait_ready(timeout=60, generation_pid=main_ns)
     # Orphans are reaped within a few ticks (poll 0.2 s); without a reaper they stay zombies for good.
-    wait_until(lambda: not zombies(d.pid), 10)
-    left = zombies(d.pid)
-    assert not left, f"zombies left in the namespace: {left}"
+    wait_until(
+        lambda: not zombies(d.pid),
+        10,
+        what="no zombie left in the namespace",
+        details=lambda: f"zombies: {zombies(d.pid)}",
+    )
     assert st["restarts"]["by_reason"].get("exited") == CRASHES, st["restarts"]
     records = [json.loads(p.read_text()) for p in forensics.list_records(tmp_path / "state")]
     details = sorted(r["detail"] for r in records if r["reason"] == "exited")

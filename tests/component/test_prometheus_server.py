@@ -23,6 +23,7 @@ import yaml
 
 from r3090d.service import control_client
 from tests.daemon_harness import free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 
@@ -113,13 +114,10 @@ class Prometheus:
         return [a for a in alerts if a["labels"]["alertname"] == alertname and a["state"] == "firing"]
 
     def wait(self, predicate, timeout: float, what: str, interval: float = 0.1):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(interval)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.log()[-3000:]}")
+        """wait_until, with Prometheus' own log in a timeout's message."""
+        return wait_until(
+            predicate, timeout, what=what, interval=interval, details=lambda: self.log()[-3000:]
+        )
 
 
 @pytest.fixture
@@ -174,7 +172,7 @@ def test_restart_loop_then_give_up_keeps_firing_while_the_daemon_is_scraped(make
     assert prom.firing("R3090dRestartLoop"), "the restarts are still within the hour"
 
     # Given up, the daemon stays: scraped (up 1), alive (/livez 200), out of the balancer (/healthz 503).
-    hold = 5.0
+    hold = 5.0  # time passing on purpose: the alert must not stop firing within it
     end = time.monotonic() + hold
     polls = 0
     while time.monotonic() < end:

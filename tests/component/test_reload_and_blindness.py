@@ -11,7 +11,8 @@ import pytest
 
 from r3090d import exitcodes
 from r3090d.service import control_client
-from tests.ctl_harness import ctl, ctl_json, wait_until
+from tests.ctl_harness import ctl, ctl_json
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 

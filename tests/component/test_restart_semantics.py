@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from tests.component.test_daemon_supervision import run_daemon  # noqa: F401  (fixture)
-from tests.daemon_harness import engine_config, group_members, wait_until
+from tests.daemon_harness import engine_config, group_members
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 

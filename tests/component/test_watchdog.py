@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from tests.daemon_harness import DaemonProcess, engine_config, group_members, wait_until, write_config
+from tests.daemon_harness import DaemonProcess, engine_config, group_members, write_config
 from tests.fakevllm.harness import FakeVllm
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 
@@ -63,7 +64,7 @@ def test_kv_leak_gives_exactly_one_drained_restart(run_daemon, tmp_path, fake_en
     new = d.wait_ready(generation_pid=first["engine"]["pid"])
     # The old engine got a drained stop (SIGTERM to the API server only).
     assert f"drained stop: SIGTERM to engine pid {first['engine']['pid']}" in d.log()
-    time.sleep(10 * POLL)  # the new engine is healthy: no second restart
+    time.sleep(10 * POLL)  # time passing on purpose: the new engine is healthy, no second restart
     assert restarts(d) == 1
     assert d.state()["engine"]["pid"] == new["engine"]["pid"]
 
@@ -82,7 +83,7 @@ def test_kv_full_under_load_alerts_and_keeps_the_engine(run_daemon, tmp_path, fa
     fake.control(metrics="load", kv_usage=0.99)  # requests running, tokens flowing
     st = d.wait_for(lambda s: "kv_pressure" in s["alerts"]["firing"] and s, 20, "kv_pressure alert")
     assert "running" in st["alerts"]["firing"]["kv_pressure"]["summary"]
-    time.sleep(15 * POLL)
+    time.sleep(15 * POLL)  # time passing on purpose: three times kv_low_polls, and no restart
     st = d.state()
     assert st["restarts"]["total"] == 0
     assert st["engine"]["pid"] == first["engine"]["pid"]
@@ -126,7 +127,7 @@ def test_frozen_engine_core_is_found_by_the_active_probe(run_daemon, tmp_path, f
     core = fake.state()["engine_core_pid"]
     t_freeze = time.time()
     os.kill(core, signal.SIGSTOP)  # EngineCore, not the API server: /health stays 200
-    assert wait_until(lambda: fake.state()["engine_core_state"] == "T", 2.0)
+    wait_until(lambda: fake.state()["engine_core_state"] == "T", 2.0, what="the EngineCore stopped")
     import httpx
 
     assert httpx.get(fake.url + "/health", timeout=2).status_code == 200
@@ -170,7 +171,7 @@ def test_garbage_metrics_do_not_crash_or_restart(run_daemon, tmp_path, fake_engi
     d.wait_ready()
     double_of(d, fake_engine_python).control(metrics="garbage")
     st = d.wait_for(lambda s: s["metrics"]["error"] and s, 10, "a metrics parse error in the state")
-    time.sleep(10 * POLL)
+    time.sleep(10 * POLL)  # time passing on purpose: ten polls of garbage, and no restart or crash
     assert d.state()["restarts"]["total"] == 0
     assert d.proc.poll() is None
     assert "Traceback" not in d.log()

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_harness import wait_until
 from tests.e2e.real_vllm import engine_python, vllm_config_writer  # noqa: F401  (fixtures for real-vLLM tests)
 from tests.e2e.systemd_ns import NamespacedSystemd, unavailable_reason
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_ROOT = Path("/var/lib/r3090d-test")
@@ -184,11 +184,9 @@ class Unit:
             return "(no output file)"
 
     def wait_for(self, predicate, timeout: float, what: str, interval: float = 0.25):
-        value = wait_until(predicate, timeout, interval)
-        if value:
-            return value
-        raise AssertionError(
-            f"{self.name}: timed out after {timeout:.0f} s waiting for {what}; {self.describe()}"
+        """wait_until, with the unit's properties, journal and output in a timeout's message."""
+        return wait_until(
+            predicate, timeout, what=f"{self.name}: {what}", interval=interval, details=self.describe
         )
 
     def describe(self) -> str:

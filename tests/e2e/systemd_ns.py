@@ -22,6 +22,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.waiting import wait_until
+
 SYSTEMD = "/lib/systemd/systemd"
 MIN_SYSTEMD_VERSION = 252
 BOOT_SCRIPT = (
@@ -90,34 +92,44 @@ class NamespacedSystemd:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self.pid = self._wait_for_systemd_pid(start + timeout)
-        self.pid_ns = os.readlink(f"/proc/{self.pid}/ns/pid")
-        state = ""
-        while time.monotonic() < start + timeout:
-            state = self.ctl("is-system-running", check=False).stdout.strip()
-            # degraded is fine: units of the host that cannot run in a namespace fail.
-            if state in ("running", "degraded"):
-                return time.monotonic() - start
-            time.sleep(0.25)
-        raise TimeoutError(
-            f"systemd did not finish booting within {timeout:.0f} s (state {state!r}); console: {self.console_text()}"
+        self.pid = wait_until(
+            self._systemd_pid,
+            start + timeout - time.monotonic(),
+            what="systemd to start",
+            interval=0.05,
+            details=lambda: f"console: {self.console_text()}",
         )
+        self.pid_ns = os.readlink(f"/proc/{self.pid}/ns/pid")
+        wait_until(
+            self._booted,
+            start + timeout - time.monotonic(),
+            what="systemd to finish booting",
+            interval=0.25,
+            details=lambda: f"state {self._state()!r}; console: {self.console_text()}",
+        )
+        return time.monotonic() - start
 
-    def _wait_for_systemd_pid(self, deadline: float) -> int:
+    def _state(self) -> str:
+        return self.ctl("is-system-running", check=False).stdout.strip()
+
+    def _booted(self) -> bool:
+        # degraded is fine: units of the host that cannot run in a namespace fail.
+        return self._state() in ("running", "degraded")
+
+    def _systemd_pid(self) -> int | None:
+        """systemd's pid, once unshare has started it."""
         assert self.unshare is not None
-        while time.monotonic() < deadline:
-            if self.unshare.poll() is not None:
-                raise RuntimeError(
-                    f"unshare exited with {self.unshare.returncode}; console: {self.console_text()}"
-                )
-            for child in _children(self.unshare.pid):
-                try:
-                    if os.readlink(f"/proc/{child}/exe") == SYSTEMD or _comm(child) == "systemd":
-                        return child
-                except OSError:
-                    pass
-            time.sleep(0.05)
-        raise TimeoutError(f"systemd never started; console: {self.console_text()}")
+        if self.unshare.poll() is not None:
+            raise AssertionError(
+                f"unshare exited with {self.unshare.returncode}; console: {self.console_text()}"
+            )
+        for child in _children(self.unshare.pid):
+            try:
+                if os.readlink(f"/proc/{child}/exe") == SYSTEMD or _comm(child) == "systemd":
+                    return child
+            except OSError:
+                pass
+        return None
 
     def poweroff(self, timeout: float = 60.0) -> bool:
         """`systemctl poweroff`, then SIGKILL of PID 1 (which ends the namespace) if it hangs.

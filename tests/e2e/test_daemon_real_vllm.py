@@ -14,6 +14,7 @@ import pytest
 
 from tests.daemon_harness import DaemonProcess, group_members
 from tests.e2e.real_vllm import CPU_EXTRA_ARGS, ENGINE_BOUND_ARGS, TINY_MODEL_NAME
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -258,12 +259,21 @@ def test_real_vllm_start_failure_gives_up_with_its_root_cause_in_the_alert(vllm_
         assert cause in st["give_up_reason"] and "same cause" in st["give_up_reason"], st["give_up_reason"]
         assert "Engine core initialization failed" not in st["restarts"]["last_root_cause"]
         messages = []
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any(b"gave_up" in m and b"FIRING" in m for m in messages):
+
+        def gave_up_received() -> bool:
             try:
-                messages.append(receiver.recv(65536))
+                messages.append(receiver.recv(65536))  # waits up to the socket's 1 s timeout
             except TimeoutError:
-                continue
+                pass
+            return any(b"gave_up" in m and b"FIRING" in m for m in messages)
+
+        wait_until(
+            gave_up_received,
+            30,
+            what="gave_up FIRING on syslog",
+            interval=0,
+            details=lambda: f"received {messages}",
+        )
         gave_up = [m.decode(errors="replace") for m in messages if b"gave_up" in m and b"FIRING" in m]
         assert gave_up and cause in gave_up[0], messages
         restarted = [m.decode(errors="replace") for m in messages if b"engine_restarted" in m]

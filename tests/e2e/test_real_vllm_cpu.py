@@ -22,6 +22,7 @@ import pytest
 from r3090d import argv as argvmod
 from r3090d import config as configmod
 from tests.e2e.real_vllm import CPU_BLOCK_SIZE, VllmProcess, predicted_kv, write_vllm_config
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -103,7 +104,7 @@ def test_sigstop_freezes_generation_while_health_answers(engine, frozen):
     target = engine.descendants()[frozen]
     target.send_signal(signal.SIGSTOP)
     try:
-        time.sleep(0.5)
+        wait_until(lambda: target.status() == psutil.STATUS_STOPPED, 5, what=f"{frozen} stopped")
         with httpx.Client(timeout=2) as client:  # built first: building one is slow on a busy machine
             started = time.monotonic()
             assert client.get(engine.url + "/health").status_code == 200
@@ -120,7 +121,7 @@ def test_sigkill_of_the_api_server_orphans_engine_core_and_worker(engine):
     kids = engine.descendants()
     engine.proc.send_signal(signal.SIGKILL)
     engine.proc.wait(10)
-    time.sleep(3)
+    time.sleep(3)  # time passing on purpose: the orphans outlive the API server
     for name in ("VLLM::EngineCore", "VLLM::Worker"):
         proc = kids[name]
         assert proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE, f"{name} exited"

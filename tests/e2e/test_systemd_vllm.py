@@ -186,19 +186,19 @@ def test_start_outlasts_the_start_timeout_and_is_ready_only_after_health(service
     states: list[tuple[float, str, str]] = []
     try:
         unit.ns.ctl("start", "--no-block", unit.name)
-        deadline = time.monotonic() + LOAD_TIMEOUT
-        while time.monotonic() < deadline:
+
+        def active() -> bool:
+            """Records every state seen on the way."""
             props = unit.show("ActiveState", "MainPID")
             states.append((time.monotonic(), props["ActiveState"], props["MainPID"]))
             if props["ActiveState"] not in ("activating", "active") and len(states) > 4:
                 pytest.fail(f"the unit left activating for {props['ActiveState']}: {unit.describe()}")
-            if props["ActiveState"] == "active":
-                break
-            time.sleep(0.5)
+            return props["ActiveState"] == "active"
+
+        unit.wait_for(active, LOAD_TIMEOUT, "active", interval=0.5)
     finally:
         stop_polling.set()
         poller.join(5)
-    assert states[-1][1] == "active", unit.describe()
 
     exec_start = monotonic_of(unit, "ExecMainStartTimestampMonotonic")
     active_at = monotonic_of(unit, "ActiveEnterTimestampMonotonic")
@@ -260,20 +260,24 @@ def test_start_outlasts_the_start_timeout_and_is_ready_only_after_health(service
 def _wait_restart(unit: Unit, old_main: int, expected_result: str, started: float) -> tuple[float, float]:
     """Waits through the auto-restart; returns (seconds until the old main was ended, new main's start)."""
     acted = None
-    deadline = started + TEST_WATCHDOG + 60
-    while time.monotonic() < deadline:
+
+    def restarted() -> tuple[float, float] | None:
+        nonlocal acted
         props = unit.show("ActiveState", "SubState", "Result", "MainPID")
         if acted is None and props["SubState"] == "auto-restart":
             assert props["Result"] == expected_result, unit.describe()
-            # systemd's own stamp of the old main's end: this loop's polling adds nothing to it.
+            # systemd's own stamp of the old main's end: this polling adds nothing to it.
             acted = monotonic_of(unit, "ExecMainExitTimestampMonotonic") - started
         if props["MainPID"] != "0" and unit.main_pid() not in (None, old_main):
             assert acted is not None, (
                 f"never saw auto-restart with Result={expected_result}: {unit.describe()}"
             )
             return acted, monotonic_of(unit, "ExecMainStartTimestampMonotonic")
-        time.sleep(0.1)
-    raise AssertionError(f"no restart: {unit.describe()}")
+        return None
+
+    return unit.wait_for(
+        restarted, started + TEST_WATCHDOG + 60 - time.monotonic(), "a restart", interval=0.1
+    )
 
 
 @pytest.mark.parametrize(

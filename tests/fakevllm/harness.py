@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.waiting import wait_until
+
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -136,18 +138,21 @@ class FakeVllm:
 
     # -- HTTP
     def wait_healthy(self, timeout: float = 10.0) -> float:
-        """Seconds until /health answered 200. Raises TimeoutError with the double's output."""
+        """Seconds until /health answered 200; fails at once, with the double's output, if the double exits first."""
         start = time.monotonic()
-        while time.monotonic() - start < timeout:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"the double exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if http().get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return time.monotonic() - start
-            except httpx.TransportError:
-                pass
-            time.sleep(0.02)
-        raise TimeoutError(f"no healthy /health within {timeout} s:\n{self.output()}")
+        wait_until(
+            self._healthy,
+            timeout,
+            what=f"/health 200 from {self.url}",
+            ignoring=(httpx.TransportError,),
+            details=self.output,
+        )
+        return time.monotonic() - start
+
+    def _healthy(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"the double exited with {self.proc.returncode}:\n{self.output()}")
+        return http().get(self.url + "/health", timeout=1.0).status_code == 200
 
     def control(self, **changes) -> dict:
         r = http().post(self.url + "/fake/control", json=changes)

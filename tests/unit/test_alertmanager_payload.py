@@ -32,6 +32,7 @@ from r3090d.effectors import alertmanager_payload as amp
 from r3090d.effectors.alertformat import AlertContext, RaisedAlert
 from r3090d.effectors.alerts import AlertDispatcher, _ChannelWorker
 from r3090d.effectors.channels import DeliveryError
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 CTX = AlertContext(hostname="box", gpu_index=1, gpu_name="NVIDIA GeForce RTX 3090", instance=1)
@@ -254,17 +255,18 @@ class FakeQueue:
     def __init__(self, name="alertmanager"):
         self.channel = type("Ch", (), {"name": name})()
         self.items: list[amp.AmPost] = []
-        self.cond = threading.Condition()
 
     def put(self, item):
-        with self.cond:
-            self.items.append(item)
-            self.cond.notify_all()
+        self.items.append(item)
 
     def wait(self, n, timeout=10.0):
-        with self.cond:
-            assert self.cond.wait_for(lambda: len(self.items) >= n, timeout), self.items
-            return list(self.items)
+        wait_until(
+            lambda: len(self.items) >= n,
+            timeout,
+            what=f"{n} items queued",
+            details=lambda: f"queued: {self.items}",
+        )
+        return list(self.items)
 
 
 def feed(queues=None, *, resend=60.0, state_dir=None, exit_on_give_up=False, clock=None):
@@ -440,19 +442,12 @@ def _post(state, generation):
     return amp.AmPost(alert, amp.PostState(state), WALL if state == "resolved" else None, 240.0, generation)
 
 
-def wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 def test_a_firing_in_retry_is_abandoned_once_its_resolve_is_queued():
     channel = ScriptedChannel()
     stop = threading.Event()
     worker = _ChannelWorker(channel, stop, retry_initial=30.0, retry_max=30.0, queue_limit=16)
     worker.put(_post("firing", 1))
-    wait_until(lambda: len(channel.attempts) == 1)  # failed once; now in a 30 s backoff
+    wait_until(lambda: len(channel.attempts) == 1, 10.0, what="the first attempt")  # failed; now in a 30 s backoff
     channel.failing = False
     started = time.monotonic()
     worker.put(_post("resolved", 2))
@@ -471,7 +466,7 @@ def test_only_the_newest_state_of_a_key_waits_in_the_queue():
     worker = _ChannelWorker(channel, stop, retry_initial=30.0, retry_max=30.0, queue_limit=16)
     other = dataclasses.replace(_post("firing", 9), alert=dataclasses.replace(_post("firing", 9).alert, key="kv_pressure"))
     worker.put(other)
-    wait_until(lambda: len(channel.attempts) == 1)  # busy retrying kv_pressure
+    wait_until(lambda: len(channel.attempts) == 1, 10.0, what="the first attempt")  # busy retrying kv_pressure
     for generation in range(1, 50):
         worker.put(_post("firing" if generation % 2 else "resolved", generation))
     assert worker.status()["pending"] == 2  # kv_pressure in flight, one gave_up waiting

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from r3090d.effectors.child import EngineProcess
 from r3090d.service import journal
 from r3090d.service.journal import MAX_TRACEBACK_LINES, Priority, VllmLineClassifier
+from tests.waiting import wait_until
 
 E, W, N, D = Priority.ERR, Priority.WARNING, Priority.INFO, Priority.DEBUG  # N: normal (info)
 CAUSE = "ValueError: To serve at least one request with the model's max seq len (4096), 0.05 GiB KV cache is needed"
@@ -361,9 +362,12 @@ def test_relayed_engine_lines_reach_the_journal_at_vllms_level(stderr_file, monk
     )
     engine = EngineProcess(threading.Event())
     engine.spawn([sys.executable, "-c", script], dict(os.environ))
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and "POST /v1/completions" not in path.read_text():
-        time.sleep(0.02)
+    wait_until(
+        lambda: "POST /v1/completions" in path.read_text(),
+        30,
+        what="the last engine line relayed",
+        details=path.read_text,
+    )
     relayed = [line for line in path.read_text().splitlines() if "[vllm]" in line]
     assert [line[:3] for line in relayed] == ["<7>", "<6>", "<4>", "<3>", "<3>", "<3>", "<6>"], relayed
     assert relayed[3] == "<3>ERROR r3090d.engine.vllm: [vllm] Traceback (most recent call last):"

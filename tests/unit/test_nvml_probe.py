@@ -20,6 +20,7 @@ import pytest
 from r3090d.config import WatchdogConfig
 from r3090d.core.snapshot import GpuStatus
 from r3090d.probes import nvml as probe
+from tests.waiting import wait_until
 
 PACKAGE = Path(probe.__file__).resolve().parents[1]
 GIB = 1024**3
@@ -301,20 +302,18 @@ def test_a_call_that_never_returns_reads_hung_while_the_loop_ticks_on():
         first = mon.wait_sample(5)  # starts the worker; its first poll answers
         assert first.usable
         blocked_at = None
-        hung_at = None
         slowest = 0.0
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:  # the loop: a tick every 20 ms
+
+        def tick():  # the daemon's loop, a tick every 20 ms: (when, sample) once the sample reads hung
+            nonlocal blocked_at, slowest
             t0 = time.monotonic()
             s = mon.latest(t0)
             slowest = max(slowest, time.monotonic() - t0)
             if blocked_at is None and len(polls) >= 2:
                 blocked_at = t0
-            if s.hung:
-                hung_at = t0
-                break
-            time.sleep(0.02)
-        assert hung_at is not None, "never read hung"
+            return (t0, s) if s.hung else None
+
+        hung_at, s = wait_until(tick, 5, what="latest() to read hung", interval=0.02)
         assert hung_at - blocked_at <= hung_after + period + 0.2
         assert slowest < 0.05  # latest() never waits on NVML
         assert not s.usable and "nvmlDeviceGetPowerUsage" in s.detail
@@ -322,7 +321,7 @@ def test_a_call_that_never_returns_reads_hung_while_the_loop_ticks_on():
         # Asking again starts no second worker while this one is stuck.
         mon.start()
         mon.request()
-        time.sleep(0.1)
+        time.sleep(0.1)  # time passing on purpose: room for a second worker to appear, were one started
         assert [t.name for t in threading.enumerate()].count("nvml-0") == 1
         assert mon.latest(time.monotonic()).hung
     finally:
