@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.daemon_harness import DaemonProcess, engine_config, free_port, wait_until, write_config  # noqa: F401  (wait_until: for the tests)
+from tests.daemon_harness import DaemonProcess, engine_config, free_port, write_config
 
 CTL = [sys.executable, "-c", "from r3090d.cli import ctl_main; ctl_main()"]
 

@@ -179,11 +179,6 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.01, what: str = "the condition"):
-    """tests.waiting.wait_until with `what` optional, for the test files that still import it from here."""
-    return waiting.wait_until(predicate, timeout, what=what, interval=interval)
-
-
 def bind_unix_dgram(path: Path, timeout: float = 5.0) -> socket.socket:
     """A listening syslog-style socket."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -32,8 +32,9 @@ WATCHDOG = {
     "kv_cooldown": 0.0,
     "kv_low_polls": 3,
     "min_free_blocks": 100,
-    "backoff_initial": 8.0,
-    "backoff_max": 8.0,
+    # BACKOFF lasts this long: time for three CLI runs to see it, even on a loaded machine.
+    "backoff_initial": 15.0,
+    "backoff_max": 15.0,
     "start_failures": 4,  # every failure here comes within min_uptime of ready: a start failure
     "same_cause_failures": 100,
     "min_uptime": 600.0,
@@ -138,7 +139,7 @@ def test_status_follows_start_kv_restart_backoff_maintenance_reload_and_give_up(
     assert rc == 0 and hist[0]["reason"] == "kv" and hist[0]["ready_after_s"] is not None
     second_pid = out["state"]["engine"]["pid"]
 
-    # ---- the engine exits: a failure, backoff (8 s): WARNING, no engine process
+    # ---- the engine exits: a failure, backoff (15 s): WARNING, no engine process
     d.fake("POST", "/fake/control", json={"exit": 1})
     st = d.wait_phase("backoff", timeout=10)
     rc, out = status(d)

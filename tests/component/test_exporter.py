@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from r3090d.core.vocabulary import Phase, RestartReason
 from r3090d.probes.nvml import clock_reason_table, load_pynvml
 from r3090d.service import control_client, exporter
-from tests.daemon_harness import wait_until
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 

@@ -314,8 +314,9 @@ def test_kv_usage_follows_in_flight_streams(fake_vllm):
 
 
 def test_kv_exhaustion_fills_the_cache_and_preempts(fake_vllm):
-    # 4 usable blocks of 16 tokens; three requests of 10 + 25 tokens cannot all fit.
-    double = fake_vllm("--fake-token-delay", "0.01", "--num-gpu-blocks-override", "5", "--block-size", "16", "--max-model-len", "64")
+    # 4 usable blocks of 16 tokens; three requests of 10 + 25 tokens cannot all fit. 50 ms a
+    # step keeps the cache full for long enough that a sampler on a loaded machine sees it.
+    double = fake_vllm("--fake-token-delay", "0.05", "--num-gpu-blocks-override", "5", "--block-size", "16", "--max-model-len", "64")
     double.wait_healthy()
     results = []
     threads = [threading.Thread(target=lambda: results.append(completion(double, 25, " ".join(["w"] * 10)).json())) for _ in range(3)]

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from r3090d.service import control_client, exporter
-from tests.daemon_harness import wait_until
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "etc" / "prometheus-rules.yml"

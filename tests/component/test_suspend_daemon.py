@@ -27,7 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from r3090d import exitcodes
 from r3090d.effectors.checkpoint import FAKE_ENV
-from tests.ctl_harness import ctl, ctl_json, wait_until
+from tests.ctl_harness import ctl, ctl_json
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 
@@ -133,7 +134,7 @@ def test_one_holder_suspended_and_resumed_with_healthz_and_state_file_while_susp
     r = rig()
     core = r.ready()
     api = r.d.state()["engine"]["pid"]
-    assert wait_until(lambda: r.d.healthz()[0] == 200, 10), "/healthz 200"
+    wait_until(lambda: r.d.healthz()[0] == 200, 10, what="/healthz 200")
 
     done = r.ctl("suspend", "--wait")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -178,7 +179,7 @@ def test_one_holder_suspended_and_resumed_with_healthz_and_state_file_while_susp
     assert st["engine"]["phase"] == "ready" and st["engine"]["pid"] == api and st["restarts"]["total"] == 0
     assert st["suspend"]["stage"] is None and st["suspend"]["last"]["result"] == "resumed"
     assert proc_state(core) != "T" and r.card_json()["processes"] == [[core, ENGINE_MIB]]
-    assert wait_until(lambda: r.d.healthz()[0] == 200, 10), "/healthz back to 200"
+    wait_until(lambda: r.d.healthz()[0] == 200, 10, what="/healthz back to 200")
     wait_until(lambda: suspended_gauges(r.d) == {}, 10, what="the suspended gauges to go")
     assert not (Path(r.d.sections["daemon"]["state_dir"]) / "suspended.json").exists()
     assert r.driver_calls() == ["lock", "checkpoint", "restore", "unlock"]
@@ -272,8 +273,8 @@ def test_every_suspend_failure(rig):
         else:
             st = r.wait_phase("ready")
             assert (st["engine"]["pid"], st["engine"]["generation"], st["restarts"]["total"]) == (api, generation, restarts), conf
-            assert wait_until(lambda pid=core: proc_state(pid) != "T", 10), "the engine must run on"
-        assert wait_until(lambda: r.d.healthz()[0] == 200, 10), "/healthz back to 200"  # the exporter reads the next state write
+            wait_until(lambda pid=core: proc_state(pid) != "T", 10, what="the engine must run on")
+        wait_until(lambda: r.d.healthz()[0] == 200, 10, what="/healthz back to 200")  # the exporter reads the next state write
 
 
 def test_every_resume_failure(rig):
@@ -305,7 +306,7 @@ def test_every_resume_failure(rig):
             st = r.wait_phase("ready")
             assert (st["engine"]["pid"], st["engine"]["generation"], st["restarts"]["total"]) == (api, generation, restarts)
             r.hold((core, ENGINE_MIB))  # the fake left it off the card when its restore "failed"
-        assert wait_until(lambda: r.d.healthz()[0] == 200, 10), "/healthz back to 200"  # the exporter reads the next state write
+        wait_until(lambda: r.d.healthz()[0] == 200, 10, what="/healthz back to 200")  # the exporter reads the next state write
 
 
 def test_resume_is_refused_while_another_process_holds_the_memory(rig):
@@ -446,7 +447,7 @@ def test_a_request_frozen_across_three_stall_seconds_finishes_after_resume(rig):
     assert st["suspend"]["frozen_requests"] == 1  # still running at the drain deadline: frozen, not aborted
     suspended_at = time.monotonic()
     frozen_count = len(events)
-    wait_until(lambda: time.monotonic() - suspended_at >= 3 * stall, 10 * stall)  # the suspension lasts 3 x stall_seconds
+    wait_until(lambda: time.monotonic() - suspended_at >= 3 * stall, 10 * stall, what="3 x stall_seconds suspended")  # time passing on purpose
     assert len(events) == frozen_count  # nothing moved while suspended
     done = r.ctl("resume", "--wait")
     assert done.returncode == 0, done.stderr

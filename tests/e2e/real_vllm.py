@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from r3090d import argv as argvmod
+from tests.waiting import wait_until
 
 ENGINE_PYTHON_ENV = "R3090D_ENGINE_PYTHON"
 DEFAULT_ENGINE_PYTHON = "/opt/r3090d-engine/bin/python"
@@ -79,17 +80,15 @@ class VllmProcess:
 
     def wait_ready(self) -> float:
         """Seconds from spawn until /health answers 200."""
-        deadline = self.started + self.startup_timeout
-        while time.monotonic() < deadline:
+
+        def healthy() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"vLLM exited with {self.proc.returncode} while loading:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return time.monotonic() - self.started
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"vLLM not ready within {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+
+        remaining = self.startup_timeout - (time.monotonic() - self.started)
+        wait_until(healthy, remaining, what="vLLM's /health 200", interval=0.5, ignoring=(httpx.TransportError,), details=self.log_tail)
+        return time.monotonic() - self.started
 
     def stop(self) -> None:
         """SIGTERM to the main pid only, as docs/cpu-vllm-notes.md says, then whatever is left of the group."""
