@@ -18,3 +18,14 @@ def sockdir(tmp_path):
     short = Path(tempfile.mkdtemp(prefix="r3090d-syslog-"))
     yield short
     shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.fixture
+def rundir():
+    """A runtime directory for the control socket, mode 0700 as mkdtemp makes it.
+
+    Always a short name under /tmp: unix socket paths are limited to 107 bytes.
+    """
+    path = Path(tempfile.mkdtemp(prefix="r3090d-ctl-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -9,28 +9,19 @@ however slowly its bytes trickle in.
 from __future__ import annotations
 
 import json
-import shutil
 import socket
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from r3090d.service import control, control_client
+from tests.slow_client import dribble
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 
 STATE = {"engine": {"phase": "ready"}}
-
-
-@pytest.fixture
-def rundir():
-    # Unix socket paths are limited to 107 bytes: a short name under /tmp.
-    path = Path(tempfile.mkdtemp(prefix="r3090d-ctl-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class Loop:
@@ -127,28 +118,7 @@ def test_a_request_sent_a_byte_at_a_time_is_cut_at_the_deadline(rundir, server, 
     monkeypatch.setattr(control, "IDLE_TIMEOUT_S", 1.0)
     data = b'{"cmd": "status"' + b" " * 10_000
     with connect(server.path) as s:
-        s.settimeout(0)
-        t0 = time.monotonic()
-        got = b""
-        for i in range(len(data)):
-            try:
-                chunk = s.recv(4096)
-            except BlockingIOError:
-                chunk = None
-            except OSError:
-                break
-            if chunk is not None:
-                got += chunk
-                if not chunk or got.endswith(b"\n"):
-                    break
-            try:
-                s.send(data[i : i + 1])
-            except OSError:
-                pass  # closed by the server: its reply is read next round
-            if time.monotonic() - t0 > 5.0:
-                break
-            time.sleep(0.05)  # the slow client's pace: each byte well inside any per-read timeout
-        took = time.monotonic() - t0
+        got, took = dribble(s, data, give_up_after=5.0, answered=lambda got: got.endswith(b"\n"))
     print(f"\ndribbling control client cut after {took:.2f} s: {got[:80]!r}")
     assert 0.9 <= took < 2.0
     assert json.loads(got.splitlines()[0]) == {"ok": False, "error": "incomplete request (no newline) within 1 s"}

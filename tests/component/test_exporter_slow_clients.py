@@ -17,6 +17,7 @@ import time
 import pytest
 
 from r3090d.service import exporter, httpserver
+from tests.slow_client import dribble
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
@@ -180,28 +181,7 @@ def test_more_slow_clients_than_connections_cannot_hold_them_all(monkeypatch):
 def test_a_request_dribbled_byte_by_byte_is_cut_at_the_header_deadline(served):
     limit = httpserver.HEADER_TIMEOUT_S
     with socket.create_connection(("127.0.0.1", served.port), timeout=5) as s:
-        t0 = time.monotonic()
-        s.setblocking(False)
-        got = b""
-        for i in range(len(ENDLESS)):
-            try:
-                chunk = s.recv(4096)
-            except BlockingIOError:
-                chunk = None
-            except OSError:
-                break
-            if chunk is not None:
-                got += chunk
-                if not chunk:
-                    break
-            try:
-                s.send(ENDLESS[i : i + 1])
-            except OSError:
-                pass  # closed by the server: its reply is read next round
-            if time.monotonic() - t0 > limit + 3.0:
-                break
-            time.sleep(0.05)  # the slow client's pace: one byte per 50 ms
-        took = time.monotonic() - t0
+        got, took = dribble(s, ENDLESS, give_up_after=limit + 3.0)
     print(f"\ndribbling client cut after {took:.2f} s (header deadline {limit} s): {got[:40]!r}")
     assert limit - 0.1 <= took < limit + 1.0
     assert got.startswith(b"HTTP/1.0 408 ")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -22,8 +21,7 @@ import pytest
 import yaml
 
 from r3090d.service import control_client
-from tests.daemon_harness import free_port
-from tests.waiting import wait_until
+from tests.server_binary import ServerBinary
 
 pytestmark = pytest.mark.component
 
@@ -38,13 +36,11 @@ DYING_ENGINE = ["--fake-exit-after", "1.0", "0", "--fake-dead-exit-delay", "0"]
 START_FAILURES = 4  # 3 restarts, then the 4th failure gives up (a give-up is not counted as a restart)
 
 
-class Prometheus:
+class Prometheus(ServerBinary):
     """One Prometheus server on 127.0.0.1, scraping `target` as job r3090d every second, rules evaluated every second."""
 
     def __init__(self, workdir: Path, target: str):
-        self.workdir = workdir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__("Prometheus", workdir)
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(RULES)],
@@ -52,50 +48,19 @@ class Prometheus:
         }
         self.config = workdir / "prometheus.yml"
         self.config.write_text(yaml.safe_dump(config))
-        self.log_path = workdir / "prometheus.log"
-        self.proc: subprocess.Popen | None = None
-        self.client = httpx.Client(base_url=self.url, trust_env=False, timeout=5.0)
 
-    def start(self, timeout: float = 30.0) -> Prometheus:
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    PROMETHEUS,
-                    f"--config.file={self.config}",
-                    f"--storage.tsdb.path={self.workdir / 'data'}",
-                    f"--web.listen-address=127.0.0.1:{self.port}",
-                    "--log.level=warn",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        self.wait(self._ready, timeout, "Prometheus ready")
-        return self
+    def argv(self) -> list[str]:
+        return [
+            PROMETHEUS,
+            f"--config.file={self.config}",
+            f"--storage.tsdb.path={self.workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--log.level=warn",
+        ]
 
     def wait_scraping(self, timeout: float = 30.0) -> None:
         """Until the first scrape of the target, answered or not: Prometheus applies its targets some seconds after it is ready."""
         self.wait(lambda: self.query('up{job="r3090d"}'), timeout, "the first scrape")
-
-    def _ready(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise AssertionError(f"prometheus exited {self.proc.returncode}:\n{self.log()[-3000:]}")
-        try:
-            return self.client.get("/-/ready").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.client.close()
 
     def query(self, expr: str) -> list[dict]:
         r = self.client.get("/api/v1/query", params={"query": expr})
@@ -112,12 +77,6 @@ class Prometheus:
     def firing(self, alertname: str) -> list[dict]:
         alerts = self.client.get("/api/v1/alerts").json()["data"]["alerts"]
         return [a for a in alerts if a["labels"]["alertname"] == alertname and a["state"] == "firing"]
-
-    def wait(self, predicate, timeout: float, what: str, interval: float = 0.1):
-        """wait_until, with Prometheus' own log in a timeout's message."""
-        return wait_until(
-            predicate, timeout, what=what, interval=interval, details=lambda: self.log()[-3000:]
-        )
 
 
 @pytest.fixture

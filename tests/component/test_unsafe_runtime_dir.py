@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import socket
-import tempfile
 import threading
 from pathlib import Path
 
@@ -22,14 +20,6 @@ from r3090d.service import control, control_client, control_protocol
 pytestmark = pytest.mark.component
 
 STATE = {"engine": {"phase": "ready"}}
-
-
-@pytest.fixture
-def rundir():
-    # Unix socket paths are limited to 107 bytes: a short name under /tmp.
-    path = Path(tempfile.mkdtemp(prefix="r3090d-ctl-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def start(rundir: Path) -> control.ControlServer:

@@ -32,6 +32,7 @@ from r3090d.effectors import alertmanager_payload as amp
 from r3090d.effectors.alertformat import AlertContext, RaisedAlert
 from r3090d.effectors.alerts import AlertDispatcher, _ChannelWorker
 from r3090d.effectors.channels import DeliveryError
+from tests.configs import bare_config
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,9 +150,8 @@ def _snap(now, ch, health):
 
 def test_root_cause_is_cut_from_every_summary_the_policy_writes():
     """engine_restarted, restart_storm and gave_up, as the real policy words them, around a cause with brackets and a ';'."""
-    data = {"profile": "none", "engine": {"model": "m"}, "gpu": {"required": False}, "alerts": {"min_interval": 0.0},
-            "watchdog": {"start_failures": 10, "same_cause_failures": 3, "backoff_initial": 1.0, "restart_storm_restarts": 1}}  # fmt: skip
-    cfg = config.from_dict(data, check_files=False)
+    cfg = bare_config(alerts={"min_interval": 0.0},
+                      watchdog={"start_failures": 10, "same_cause_failures": 3, "backoff_initial": 1.0, "restart_storm_restarts": 1})  # fmt: skip
     st = policy.initial_state(0.0)
     sent: list[SendAlert] = []
     refused = HealthSample(HealthStatus.REFUSED)
@@ -291,8 +291,7 @@ def test_a_firing_keeps_its_labels_and_start_and_its_resolve_names_the_same_aler
 
 def test_sync_sends_a_firing_the_lifecycle_held_back_and_resolves_what_left():
     """A local silence and min_interval hold FIRING back on the other channels, not on Alertmanager."""
-    cfg = config.from_dict({"profile": "none", "engine": {"model": "m"}, "gpu": {"required": False},
-                            "alerts": {"hysteresis_polls": 1, "min_interval": 600.0}}, check_files=False)  # fmt: skip
+    cfg = bare_config(alerts={"hysteresis_polls": 1, "min_interval": 600.0})
     book = alerting.silence(alerting.AlertBook(), "gpu_memory", 1000.0)
     f, [q] = feed()
     hot = [Condition("gpu_memory", True, "warning", "GPU memory used 23600 MiB")]

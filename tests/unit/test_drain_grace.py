@@ -20,19 +20,13 @@ from r3090d.core.snapshot import (
     HealthStatus,
     Snapshot,
 )
+from tests.configs import bare_config
 
 OK = HealthSample(HealthStatus.OK, 200)
 
 
 def cfg(lb_grace=5.0, exporter=True, **watchdog) -> config.Config:
-    data = {
-        "profile": "none",
-        "engine": {"model": "m"},
-        "gpu": {"required": False},
-        "watchdog": {"lb_grace": lb_grace, **watchdog},
-        "daemon": {"exporter_enabled": exporter},
-    }
-    return config.from_dict(data, check_files=False)
+    return bare_config(watchdog={"lb_grace": lb_grace, **watchdog}, daemon={"exporter_enabled": exporter})
 
 
 def alive(gen=1):

@@ -23,14 +23,14 @@ from r3090d.core.snapshot import (
     InferenceProbeSample,
     Snapshot,
 )
+from tests.configs import bare_config
 
 MIB = 1024 * 1024
 
 
 def cfg(**watchdog) -> config.Config:
     alerts = watchdog.pop("alerts", {})
-    data = {"profile": "none", "engine": {"model": "m"}, "gpu": {"required": watchdog.pop("gpu_required", False)}, "watchdog": watchdog, "alerts": alerts}
-    return config.from_dict(data, check_files=False)
+    return bare_config(gpu={"required": watchdog.pop("gpu_required", False)}, watchdog=watchdog, alerts=alerts)
 
 
 OK = HealthSample(HealthStatus.OK, 200)
@@ -284,7 +284,7 @@ def test_given_up_stays_up_until_an_operator_restart_then_resolves_on_ready():
 
 
 def test_exit_on_give_up_restores_exit_79():
-    c = config.from_dict({"profile": "none", "engine": {"model": "m"}, "gpu": {"required": False}, "watchdog": {"start_failures": 1}, "daemon": {"exit_on_give_up": True}}, check_files=False)
+    c = bare_config(watchdog={"start_failures": 1}, daemon={"exit_on_give_up": True})
     st = given_up_state(c)
     acts, st = policy.decide(snap(5, ch=ChildSample(pid=1, alive=False, generation=1)), st, c, 5)
     assert Exit(code=exitcodes.GAVE_UP, reason=st.give_up_reason) in acts

@@ -39,6 +39,7 @@ from r3090d.effectors.checkpoint import ProcessState
 from r3090d.effectors.suspender import SuspendSample
 from r3090d.effectors.suspender_worker import Op, Outcome
 from r3090d.service import commands
+from tests.configs import bare_config
 
 GIB = 2**30
 MIB = 2**20
@@ -50,16 +51,14 @@ REFUSED = HealthSample(HealthStatus.REFUSED)
 
 
 def cfg(*, suspend=None, watchdog=None, gpu_required=True, extra_args=(), alerts=None) -> config.Config:
-    data = {
-        "profile": "none",
-        "engine": {"model": "m", "extra_args": list(extra_args)},
-        "gpu": {"required": gpu_required},
-        "watchdog": {"lb_grace": 2.0, "stall_seconds": 10.0, "gpu_memory_alert_mib": 20000, **(watchdog or {})},
-        "suspend": {"drain_timeout": 5.0, "verify_timeout": 20.0, "remind_after": 3600.0, **(suspend or {})},
-        "alerts": {"min_interval": 0.0, "hysteresis_polls": 1, **(alerts or {})},
-        "daemon": {"exporter_enabled": True},
-    }
-    return config.from_dict(data, check_files=False)
+    return bare_config(
+        engine={"extra_args": list(extra_args)},
+        gpu={"required": gpu_required},
+        watchdog={"lb_grace": 2.0, "stall_seconds": 10.0, "gpu_memory_alert_mib": 20000, **(watchdog or {})},
+        suspend={"drain_timeout": 5.0, "verify_timeout": 20.0, "remind_after": 3600.0, **(suspend or {})},
+        alerts={"min_interval": 0.0, "hysteresis_polls": 1, **(alerts or {})},
+        daemon={"exporter_enabled": True},
+    )
 
 
 def card(now, procs=((CORE, HELD),), total=24 * GIB, taken_at=None, util=0):
