@@ -62,7 +62,7 @@ def restart_command(drain, wait, timeout, as_json, config_path, instance) -> int
     """Restart the engine through the daemon (drained by default)."""
     cfg = load_config(config_path, instance, check_files=False)
     try:
-        before = _state(cfg)
+        before = read_state(cfg)
     except UnreadableFormat:
         before = None  # asked all the same; --wait says why it cannot follow
     reply = ask(cfg, {"cmd": "restart", "drain": drain})
@@ -91,48 +91,66 @@ def _status(cfg) -> dict | None:
     return reply.get("state") if reply.get("ok") else None
 
 
-def _state(cfg) -> StateDocument | None:
+def read_state(cfg) -> StateDocument | None:
     """The daemon's state document, parsed; None while it does not answer or has none. Raises UnreadableFormat."""
     return view(_status(cfg))
 
 
-def wait_ready(cfg, old_generation, old_pid, timeout: float, *, quiet: bool) -> dict:
-    """Follow the phases until a new engine is ready; print each change."""
-    start = time.monotonic()
-    last_phase = Phase.READY.value  # what the engine was when the restart was accepted (a given-up start prints its phase)
-    last_seen = start
+def follow_state(cfg, timeout: float, judge, *, during: str, timed_out, interval: float = 0.25) -> dict:
+    """Read the state document every `interval` s until `judge(doc, elapsed)` answers (a result dict).
+
+    The one loop behind every --wait: an unreadable format, a daemon silent for
+    LOST_AFTER_S (`during` names what it was in) and the timeout (`timed_out()`
+    says what is still going on) end it with {"ok": False, "error": ...}.
+    """
+    start = last_seen = time.monotonic()
     while True:
         now = time.monotonic()
         try:
-            doc = _state(cfg)
+            doc = read_state(cfg)
         except UnreadableFormat as exc:
             return {"ok": False, "error": str(exc)}
         if doc is None:
             if now - last_seen > LOST_AFTER_S:
-                return {"ok": False, "error": f"r3090d stopped answering {now - start:.0f} s into the restart"}
+                return {"ok": False, "error": f"r3090d stopped answering {now - start:.0f} s into {during}"}
         else:
             last_seen = now
-            engine = doc.engine
-            if engine.phase_name != last_phase:
-                last_phase = engine.phase_name
-                if not quiet:
-                    extra = doc.next_action
-                    click.echo(f"  +{now - start:5.1f} s  {last_phase}" + (f"  ({extra})" if extra else ""))
-            new_engine = (
-                engine.generation > old_generation
-                if isinstance(old_generation, int) and engine.generation is not None
-                else engine.pid not in (None, old_pid)
-            )
-            if engine.phase is Phase.READY and new_engine:
-                return {"ok": True, "message": f"ready after {now - start:.1f} s (engine pid {engine.pid})", "ready_after_s": round(now - start, 2), "pid": engine.pid}
-            # The given-up state a restart starts from is not its answer; one the new engine reaches is.
-            if engine.phase is Phase.GIVEN_UP and new_engine:
-                return {"ok": False, "error": f"r3090d gave up: {doc.give_up_reason}"}
-            if engine.phase is Phase.SHUTTING_DOWN:
-                return {"ok": False, "error": "r3090d is shutting down"}
+            answer = judge(doc, now - start)
+            if answer is not None:
+                return answer
         if now - start > timeout:
-            return {"ok": False, "error": f"still {last_phase} after {timeout:.0f} s; the restart goes on (r3090ctl status)"}
-        time.sleep(0.25)
+            return {"ok": False, "error": timed_out()}
+        time.sleep(interval)
+
+
+def wait_ready(cfg, old_generation, old_pid, timeout: float, *, quiet: bool) -> dict:
+    """Follow the phases until a new engine is ready; print each change."""
+    last_phase = Phase.READY.value  # what the engine was when the restart was accepted (a given-up start prints its phase)
+
+    def judge(doc: StateDocument, elapsed: float) -> dict | None:
+        nonlocal last_phase
+        engine = doc.engine
+        if engine.phase_name != last_phase:
+            last_phase = engine.phase_name
+            if not quiet:
+                extra = doc.next_action
+                click.echo(f"  +{elapsed:5.1f} s  {last_phase}" + (f"  ({extra})" if extra else ""))
+        new_engine = (
+            engine.generation > old_generation
+            if isinstance(old_generation, int) and engine.generation is not None
+            else engine.pid not in (None, old_pid)
+        )
+        if engine.phase is Phase.READY and new_engine:
+            return {"ok": True, "message": f"ready after {elapsed:.1f} s (engine pid {engine.pid})", "ready_after_s": round(elapsed, 2), "pid": engine.pid}
+        # The given-up state a restart starts from is not its answer; one the new engine reaches is.
+        if engine.phase is Phase.GIVEN_UP and new_engine:
+            return {"ok": False, "error": f"r3090d gave up: {doc.give_up_reason}"}
+        if engine.phase is Phase.SHUTTING_DOWN:
+            return {"ok": False, "error": "r3090d is shutting down"}
+        return None
+
+    return follow_state(cfg, timeout, judge, during="the restart",
+                        timed_out=lambda: f"still {last_phase} after {timeout:.0f} s; the restart goes on (r3090ctl status)")  # fmt: skip
 
 
 # ------------------------------------------------------------------ maintenance, silence, reload

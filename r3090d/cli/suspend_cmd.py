@@ -23,11 +23,10 @@ import click
 
 from r3090d import exitcodes
 from r3090d.cli.common import config_option, ctl, emit_json, instance_option, load_config
-from r3090d.cli.control_cmd import LOST_AFTER_S, ask, wait_ready
+from r3090d.cli.control_cmd import ask, follow_state, read_state, wait_ready
 from r3090d.core.suspension import Result
 from r3090d.core.vocabulary import Phase
-from r3090d.service import control_client
-from r3090d.service.report import StateDocument, SuspendInfo, UnreadableFormat, view
+from r3090d.service.report import StateDocument, SuspendInfo, UnreadableFormat
 from r3090d.units import MIB
 
 EXIT_UNAVAILABLE = exitcodes.PREFLIGHT_PERMANENT  # 69, EX_UNAVAILABLE: this host or config cannot suspend
@@ -36,19 +35,10 @@ CODES = {Result.SUSPENDED: exitcodes.OK, Result.RESUMED: exitcodes.OK, Result.ST
          Result.UNAVAILABLE: EXIT_UNAVAILABLE}  # fmt: skip
 
 
-def _status(cfg) -> StateDocument | None:
-    """The daemon's state document, parsed; None when it does not answer. Raises UnreadableFormat."""
-    try:
-        reply = control_client.request(cfg.daemon.runtime_dir, {"cmd": "status"}, 5.0)
-    except control_client.ClientError:
-        return None
-    return view(reply.get("state")) if reply.get("ok") else None
-
-
 def _before(cfg) -> StateDocument | None:
     """The state a request starts from, for --wait; None when unknown (then --wait says why it cannot follow)."""
     try:
-        return _status(cfg)
+        return read_state(cfg)
     except UnreadableFormat:
         return None
 
@@ -72,35 +62,27 @@ def _show(reply: dict, as_json: bool) -> int:
 
 def follow(cfg, request: int, daemon_pid, timeout: float, *, quiet: bool) -> dict:
     """Print each phase (and stage) until the request's result is in the state document; return that result."""
-    start = last_seen = time.monotonic()
     shown = None
-    while True:
-        now = time.monotonic()
-        try:
-            doc = _status(cfg)
-        except UnreadableFormat as exc:
-            return {"ok": False, "error": str(exc)}
-        if doc is None:
-            if now - last_seen > LOST_AFTER_S:
-                return {"ok": False, "error": f"r3090d stopped answering {now - start:.0f} s into the wait"}
-        else:
-            last_seen = now
-            if daemon_pid is not None and doc.daemon.pid != daemon_pid:
-                return {"ok": False, "error": "r3090d restarted during the wait (r3090ctl status)"}
-            sus = doc.suspend or SuspendInfo()
-            where = doc.engine.phase_name, sus.stage.value if sus.stage is not None else None
-            if where != shown and not quiet:
-                click.echo(f"  +{now - start:5.1f} s  {where[0]}" + (f" ({where[1]})" if where[1] and where[1] != where[0] else ""))
-            shown = where
-            last = sus.last
-            if last is not None and last.request == request:
-                if last.result is None:
-                    return {"ok": False, "error": f"request {request} ended in a way this r3090ctl does not know (r3090ctl status)"}
-                return {"ok": CODES.get(last.result) == exitcodes.OK, "result": last.result.value, "detail": last.detail,
-                        "after_s": round(now - start, 2), "doc": doc}  # fmt: skip
-        if now - start > timeout:
-            return {"ok": False, "error": f"no result after {timeout:.0f} s; the operation goes on (r3090ctl status)"}
-        time.sleep(POLL_S)
+
+    def judge(doc: StateDocument, elapsed: float) -> dict | None:
+        nonlocal shown
+        if daemon_pid is not None and doc.daemon.pid != daemon_pid:
+            return {"ok": False, "error": "r3090d restarted during the wait (r3090ctl status)"}
+        sus = doc.suspend or SuspendInfo()
+        where = doc.engine.phase_name, sus.stage.value if sus.stage is not None else None
+        if where != shown and not quiet:
+            click.echo(f"  +{elapsed:5.1f} s  {where[0]}" + (f" ({where[1]})" if where[1] and where[1] != where[0] else ""))
+        shown = where
+        last = sus.last
+        if last is None or last.request != request:
+            return None
+        if last.result is None:
+            return {"ok": False, "error": f"request {request} ended in a way this r3090ctl does not know (r3090ctl status)"}
+        return {"ok": CODES.get(last.result) == exitcodes.OK, "result": last.result.value, "detail": last.detail,
+                "after_s": round(elapsed, 2), "doc": doc}  # fmt: skip
+
+    return follow_state(cfg, timeout, judge, during="the wait", interval=POLL_S,
+                        timed_out=lambda: f"no result after {timeout:.0f} s; the operation goes on (r3090ctl status)")  # fmt: skip
 
 
 def _finish(reply: dict, result: dict, as_json: bool) -> int:
@@ -200,7 +182,7 @@ def _used_while_suspended(cfg, pid, daemon_pid) -> int | None:
     deadline = time.monotonic() + max(10.0, 5 * cfg.watchdog.poll_interval)
     while time.monotonic() < deadline:
         try:
-            doc = _status(cfg)
+            doc = read_state(cfg)
         except UnreadableFormat:
             return None
         gpu = doc.gpu if doc is not None else None
@@ -212,7 +194,7 @@ def _used_while_suspended(cfg, pid, daemon_pid) -> int | None:
 
 def _self_test(cfg, timeout: float | None, as_json: bool) -> int:
     try:
-        before = _status(cfg)
+        before = read_state(cfg)
     except UnreadableFormat as exc:
         return _show({"ok": False, "error": str(exc)}, as_json)
     if before is None or before.engine.phase is not Phase.READY:
