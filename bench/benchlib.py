@@ -45,6 +45,12 @@ ENGINE_NAMES = ("VLLM::EngineCore", "fake-EngineCore")  # vLLM's core process, a
 
 
 _LIVE: set[Daemon] = set()  # started and not yet cleaned up
+_KILL_ON_EXIT: list[Callable[[], None]] = []  # what else exit_on_sigterm kills (an engine started directly)
+
+
+def kill_on_exit(kill: Callable[[], None]) -> None:
+    """Have exit_on_sigterm call `kill` (idempotent, quick) before it exits."""
+    _KILL_ON_EXIT.append(kill)
 
 
 def exit_on_sigterm() -> None:
@@ -55,6 +61,8 @@ def exit_on_sigterm() -> None:
     def handler(signum, frame):
         for d in list(_LIVE):
             d.kill_now()
+        for kill in _KILL_ON_EXIT:
+            kill()
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
