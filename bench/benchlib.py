@@ -32,9 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.gpu_idle import state_check  # noqa: E402
 from r3090d import config as configmod  # noqa: E402
 from r3090d.effectors import child as engine_child  # noqa: E402
 from tests.daemon_harness import engine_config, write_config  # noqa: E402
+from tests.waiting import WaitTimeout, wait_until  # noqa: E402
 
 SHIPPED_CONFIG = ROOT / "etc" / "r3090d.toml"
 TINY_MODEL = ROOT / "build" / "tiny-qwen2"
@@ -182,20 +184,11 @@ class Daemon:
         return next((e for e in self.events() if e.message.startswith(prefix) and e.at >= after - 0.001), None)
 
     def wait_for(self, predicate: Callable[[dict], object], timeout: float, what: str, interval: float = 0.02):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            st = self.state()
-            if st is not None:
-                try:
-                    value = predicate(st)
-                except (KeyError, TypeError):
-                    value = None
-                if value:
-                    return value
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited {self.proc.returncode} while waiting for {what}\n{self.log_text()[-3000:]}")
-            time.sleep(interval)
-        raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.log_text()[-3000:]}")
+        check = state_check(self.state, predicate, self.proc, what, lambda: self.log_text()[-3000:], RuntimeError)
+        try:
+            return wait_until(check, timeout, what=what, interval=interval)
+        except WaitTimeout:
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.log_text()[-3000:]}") from None
 
     def wait_ready(self, timeout: float, not_pid: int | None = None) -> dict:
         def ready(st):

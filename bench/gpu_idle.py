@@ -67,6 +67,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # r3090d from this checkout, installed or not
+from tests.daemon_harness import state_check, toml_value  # noqa: E402
+from tests.waiting import WaitTimeout, wait_until  # noqa: E402
+
 STANDIN = ROOT / "bench" / "gpu_engine_standin.py"
 FAKE_NVML_DIR = ROOT / "tests" / "fakenvml"
 EX_UNAVAILABLE = 69
@@ -367,16 +370,6 @@ class Streams:
 # ------------------------------------------------------------------ the daemon
 
 
-def toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    return repr(v)
-
-
 class DaemonRun:
     """One `python3 -m r3090d` with its config, state file and log, in a directory of its own."""
 
@@ -444,22 +437,12 @@ class DaemonRun:
         return st
 
     def wait(self, predicate: Callable[[dict], object], timeout: float, what: str, budget: Budget):
-        deadline = time.monotonic() + budget.cap(timeout)
-        while time.monotonic() < deadline:
-            st = self.state()
-            if st is not None:
-                try:
-                    value = predicate(st)
-                except (KeyError, TypeError):
-                    value = None
-                if value:
-                    return value
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited {self.proc.returncode} while waiting for {what}; its log ends:\n{self.log_tail()}")
-            time.sleep(0.02)
-        if budget.left() <= 0:
-            raise OutOfTime(f"the time budget (--budget) ran out while waiting for {what}")
-        raise RuntimeError(f"no {what} within {timeout:.0f} s; the daemon's log ends:\n{self.log_tail()}")
+        try:
+            return wait_until(state_check(self.state, predicate, self.proc, what, self.log_tail, RuntimeError), budget.cap(timeout), what=what)
+        except WaitTimeout:
+            if budget.left() <= 0:
+                raise OutOfTime(f"the time budget (--budget) ran out while waiting for {what}") from None
+            raise RuntimeError(f"no {what} within {timeout:.0f} s; the daemon's log ends:\n{self.log_tail()}") from None
 
     def wait_ready(self, budget: Budget, not_pid: int | None) -> int:
         def ready(st):
@@ -795,19 +778,29 @@ def main() -> int:
     if args.rounds < 1 or args.streams < 1 or args.weight_gib <= 0 or not args.polls:
         parser.error("--rounds, --streams, --weight-gib and --polls must be positive")
 
-    # Ctrl-C, SIGTERM and SIGHUP (SIGINT even where it came in ignored) end the run
-    # through the finally below, which kills everything the run started.
+    return run_cleanly("gpu_idle", "r3090d-gpu-idle-", bench, args)
+
+
+def run_cleanly(name: str, prefix: str, bench_fn: Callable, args) -> int:
+    """`bench_fn(args, base, cleanup)` in a fresh temporary directory; whatever ends it, undo what it started.
+
+    Ctrl-C, SIGTERM (`timeout`) and SIGHUP (SIGINT even where it came in ignored)
+    end the run through the finally below, which runs the cleanup steps newest
+    first, kills what is left of the run's processes and removes the directory
+    (kept with --keep).
+    """
+
     def interrupted(signum, frame):
         raise KeyboardInterrupt
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, interrupted)
-    base = Path(tempfile.mkdtemp(prefix="r3090d-gpu-idle-"))
+    base = Path(tempfile.mkdtemp(prefix=prefix))
     cleanup: list[Callable[[], None]] = []
     try:
-        return bench(args, base, cleanup)
+        return bench_fn(args, base, cleanup)
     except Unavailable as exc:
-        print(f"gpu_idle: {exc}")
+        print(f"{name}: {exc}")
         return EX_UNAVAILABLE
     except KeyboardInterrupt:
         say("interrupted: stopping everything this run started")

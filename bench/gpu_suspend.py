@@ -42,10 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EX_UNAVAILABLE = 69
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # r3090d and bench/ from this checkout, installed or not
+
+from bench.gpu_idle import EX_UNAVAILABLE, say, table  # noqa: E402
+from r3090d.units import GIB, MIB  # noqa: E402
+
 ENGINE_VENV_PYTHON = "/opt/r3090d-engine/bin/python"
-MIB = 2**20
-GIB = 2**30
 CHUNK = 64 * MIB  # ballast row: the unit of its checksum
 
 
@@ -59,17 +62,6 @@ def row_sums(ballast):
     return sums
 GEMV_N = 4096
 GEMV_CHAIN = 8
-
-
-def say(text: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
-    lines = ["  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=True)).rstrip() for r in (header, *rows)]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 # =================================================================== the core

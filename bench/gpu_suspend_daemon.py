@@ -41,11 +41,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import tomllib
 from collections.abc import Callable
@@ -401,35 +399,7 @@ def main() -> int:
     if args.streams < 1 or args.weight_gib <= 0 or args.hold < 0:
         parser.error("--streams and --weight-gib must be positive, --hold not negative")
 
-    # Ctrl-C, SIGTERM (`timeout`) and SIGHUP end the run through the finally below.
-    def interrupted(signum, frame):
-        raise KeyboardInterrupt
-
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, interrupted)
-    base = Path(tempfile.mkdtemp(prefix="r3090d-gpu-suspend-"))
-    cleanup: list[Callable[[], None]] = []
-    try:
-        return bench(args, base, cleanup)
-    except gi.Unavailable as exc:
-        print(f"gpu_suspend_daemon: {exc}")
-        return EX_UNAVAILABLE
-    except KeyboardInterrupt:
-        gi.say("interrupted: stopping everything this run started")
-        return 130
-    finally:
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
-        for step in reversed(cleanup):
-            try:
-                step()
-            except Exception as exc:  # one failed step must not leave the others undone
-                gi.say(f"cleanup: {exc}")
-        gi.sweep(base)
-        if args.keep:
-            gi.say(f"kept {base}")
-        else:
-            shutil.rmtree(base, ignore_errors=True)
+    return gi.run_cleanly("gpu_suspend_daemon", "r3090d-gpu-suspend-", bench, args)
 
 
 if __name__ == "__main__":

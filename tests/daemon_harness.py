@@ -82,6 +82,25 @@ def engine_config(tmp_path: Path, engine_python: str, *, extra_args=(), engine=N
     return sections
 
 
+def state_check(read_state, predicate, proc, what: str, log_tail, error: type[Exception] = AssertionError):
+    """For wait_until: `predicate` of a daemon's state document; a part not there yet is "not yet",
+    and the daemon's exit ends the wait at once with `error` and its log's tail."""
+
+    def check():
+        # Asked before the read: a state written just before the exit still counts.
+        exited = proc.poll() is not None
+        st = read_state()
+        try:
+            value = st is not None and predicate(st)
+        except (KeyError, TypeError):  # a state without that part (yet)
+            value = None
+        if not value and exited:
+            raise error(f"the daemon exited {proc.returncode} while waiting for {what}\n{log_tail()}")
+        return value
+
+    return check
+
+
 class DaemonProcess:
     def __init__(self, config_path: Path, log_path: Path, *args: str):
         self.config_path = config_path
@@ -120,20 +139,7 @@ class DaemonProcess:
     def wait_for(self, predicate, timeout: float, what: str, interval: float = 0.02):
         """Until `predicate(state)` is truthy; fails at once if the daemon exits first."""
 
-        def check():
-            # Asked before the read: a state written just before the exit still counts.
-            exited = self.proc.poll() is not None
-            st = self.state()
-            try:
-                value = st is not None and predicate(st)
-            except (KeyError, TypeError):  # a state without that part (yet)
-                value = None
-            if not value and exited:
-                raise AssertionError(
-                    f"daemon exited {self.proc.returncode} while waiting for {what}\n{self.log()[-4000:]}"
-                )
-            return value
-
+        check = state_check(self.state, predicate, self.proc, what, lambda: self.log()[-4000:])
         return waiting.wait_until(
             check,
             timeout,

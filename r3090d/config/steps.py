@@ -42,6 +42,7 @@ class StepEstimate:
     params: float
     params_source: str  # "the model directory", "assumed (7.6 B, Qwen2.5-7B)"
     context: int
+    params_known: bool = True
 
     def describe(self) -> str:
         return (f"{self.step_tokens} tokens per step ({self.step_tokens_source}) x {self.params / 1e9:.1f} B parameters "
@@ -62,11 +63,18 @@ def longest_step(step_tokens: int | None, context: int | None, params: float | N
     ctx = context or REFERENCE_CONTEXT
     # A chunk never holds more than the whole context.
     tokens = min(tokens, ctx) if context else tokens
-    return StepEstimate(estimate_step(tokens, p, ctx), tokens, tokens_source, p, p_source, ctx)
+    return StepEstimate(estimate_step(tokens, p, ctx), tokens, tokens_source, p, p_source, ctx, known)
 
 
 def window_warnings(wd: WatchdogConfig, step: StepEstimate) -> list[str]:
-    """One line per no-progress window shorter than MARGIN x the longest step, naming the key and the fix."""
+    """One line per no-progress window shorter than MARGIN x the longest step, naming the key and the fix.
+
+    Only for a model whose size was read: a guess at an unknown model's size is
+    shown with the estimate, never made into a warning (a small model's steps are
+    far shorter than the reference's).
+    """
+    if not step.params_known:
+        return []
     need = MARGIN * step.seconds
     out = []
     if wd.stall_seconds < need:

@@ -36,6 +36,7 @@ from r3090d.effectors.alertformat import AlertContext
 from r3090d.effectors.alerts import AlertDispatcher
 from tests.daemon_harness import free_port
 from tests.server_binary import ServerBinary
+from tests.silent_server import SilentServer
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
@@ -272,34 +273,9 @@ def test_exit_mode_alerts_run_six_hours_ahead_and_the_next_start_resolves_them(a
         d2.close()
 
 
-class SilentListener:
-    """Accepts TCP connections and never answers: an Alertmanager hung behind its port."""
-
-    def __init__(self):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.accepted: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted.append(conn)
-
-    def close(self):
-        self.sock.close()
-        for conn in self.accepted:
-            conn.close()
-
-
 @pytest.mark.parametrize("down", ["closed port", "never answers"])
 def test_a_down_alertmanager_never_slows_submit(down):
-    listener = SilentListener() if down == "never answers" else None
+    listener = SilentServer() if down == "never answers" else None
     url = listener.url if listener else f"http://127.0.0.1:{free_port()}"
     keys = [f"condition_{i}" for i in range(10)]
     times = []

@@ -21,7 +21,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from r3090d.effectors import channels
 from r3090d.effectors.alertformat import AlertContext
 from r3090d.effectors.alerts import AlertDispatcher
 from tests.daemon_harness import bind_unix_dgram
+from tests.silent_server import SilentServer
 from tests.waiting import wait_until
 
 pytestmark = [
@@ -130,34 +130,6 @@ def smtp_server(handler=None, port: int | None = None, **kwargs):
         yield controller, handler
     finally:
         controller.stop()
-
-
-class SilentServer:
-    """Accepts TCP connections and never says a word: an SMTP server hung before its banner."""
-
-    def __init__(self, port: int):
-        self.listener = socket.socket()
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", port))
-        self.listener.listen(16)
-        self.accepted: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.accepted.append(conn)
-
-    def close(self):
-        self.listener.shutdown(socket.SHUT_RDWR)
-        self.listener.close()
-        self._thread.join(5)
-        for conn in self.accepted:
-            conn.close()
 
 
 def email_config(port: int, **kw) -> AlertsConfig:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
 import time
 from email import message_from_bytes
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from aiosmtpd.controller import Controller
 
 from tests.daemon_harness import DaemonProcess, engine_config, free_port, write_config
+from tests.silent_server import SilentServer
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
@@ -33,39 +33,6 @@ class Inbox:
     async def handle_DATA(self, server, session, envelope):
         self.messages.append((list(envelope.rcpt_tos), message_from_bytes(envelope.content)))
         return "250 OK"
-
-
-class HangingServer:
-    """Accepts SMTP connections and never says a word."""
-
-    def __init__(self, port: int):
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", port))
-        self.sock.listen(16)
-        self.conns = []
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-
-    def close(self):
-        # A thread blocked in accept() keeps the socket listening past close():
-        # shutdown() wakes it first.
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        self.thread.join(2)
-        for c in self.conns:
-            c.close()
 
 
 def syslog_socket(path: Path) -> socket.socket:
@@ -142,7 +109,7 @@ def test_memory_alert_by_email_and_syslog_and_smtp_hang_never_stalls_the_loop(tm
 
         # 2. The SMTP server hangs for 30 s while the alert resolves: the loop keeps its pace.
         smtp.stop()
-        hanging = HangingServer(smtp_port)
+        hanging = SilentServer(smtp_port)
         card.write_text(json.dumps({"memory_used_mib": 500}))
         ticks = []
         t_end = time.monotonic() + 30.0

@@ -119,6 +119,19 @@ def start_server(engine_python: str, model, log_path: Path, *args: str, env: dic
     return VllmProcess(argv, {**base, **OFFLINE_ENV, **(env or {})}, f"http://127.0.0.1:{port}", log_path, startup_timeout)
 
 
+def engine_tree(main_pid: int) -> dict[str, int]:
+    """name -> pid for the real vLLM tree under the API server."""
+    import psutil
+
+    out = {}
+    for p in psutil.Process(main_pid).children(recursive=True):
+        try:
+            out[p.name()] = p.pid
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

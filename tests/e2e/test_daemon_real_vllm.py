@@ -13,23 +13,12 @@ import psutil
 import pytest
 
 from tests.daemon_harness import DaemonProcess, group_members
-from tests.e2e.real_vllm import CPU_EXTRA_ARGS, ENGINE_BOUND_ARGS, TINY_MODEL_NAME
+from tests.e2e.real_vllm import CPU_EXTRA_ARGS, ENGINE_BOUND_ARGS, TINY_MODEL_NAME, engine_tree
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.vllm
 
 READY_TIMEOUT = 420
-
-
-def engine_tree(main_pid: int) -> dict[str, int]:
-    """name -> pid for the real vLLM tree under the API server."""
-    out = {}
-    for p in psutil.Process(main_pid).children(recursive=True):
-        try:
-            out[p.name()] = p.pid
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def stream(url: str, max_tokens: int, results: list, timeout: float = 300.0, prompt_tokens: int = 0,

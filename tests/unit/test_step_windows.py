@@ -45,10 +45,13 @@ def test_a_window_raised_to_match_is_quiet():
     assert steps.window_warnings(cfg({"stall_seconds": 40.0, "kv_low_polls": 17}), step) == []
 
 
-def test_an_unknown_model_size_is_said_to_be_assumed():
-    step = steps.longest_step(4096, None, None)
+def test_an_unknown_model_size_is_said_to_be_assumed_and_warns_of_nothing():
+    step = steps.longest_step(8192, None, None)
     assert step.params_source == "assumed: Qwen2.5-7B's" and step.context == 32768
     assert "assumed" in step.describe()
+    # The same settings warn for a model known to be that size; a guess never does.
+    assert steps.window_warnings(cfg(), step) == []
+    assert steps.window_warnings(cfg(), steps.longest_step(8192, None, 7.6e9)) != []
 
 
 def test_a_chunk_never_exceeds_the_context():
