@@ -1,6 +1,6 @@
 """`r3090ctl bench` beside vLLM's own serving benchmark, on one real engine with one workload.
 
-Opt-in (about 10 minutes): R3090D_BENCH_LONG=1 python bench/bench_vs_vllm.py [--rounds R]
+Opt-in (about 9 minutes): R3090D_BENCH_LONG=1 python bench/bench_vs_vllm.py [--rounds R]
 
 One engine-bound CPU vLLM (tests/e2e/real_vllm.py, ENGINE_BOUND_ARGS) serves both
 tools. The workload is the same for both: prompts of PROMPT_TOKENS tokens (vLLM's
@@ -100,10 +100,10 @@ def run_ctl_bench(url: str, concurrency: int, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    cli.add_argument("--rounds", type=int, default=3)
+    cli.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5: single rounds vary by up to 15%% on 2 cores)")
     args = cli.parse_args(argv)
     benchlib.exit_on_sigterm()
-    skip = benchlib.long_real_skip("bench_vs_vllm", f"{args.rounds} rounds on the real vLLM, about 10 min")
+    skip = benchlib.long_real_skip("bench_vs_vllm", f"{args.rounds} rounds on the real vLLM, about 9 min")
     if skip:
         print(skip)
         return 0
