@@ -17,11 +17,9 @@ from r3090d.config import NO_PROFILE, Config, ConfigError
 from r3090d.engineflags import canonical_flag
 
 # When flags appeared and disappeared: (first version that has it, first version without it),
-# in PEP 440 order, where a release's pre-releases and dev builds come before it: 0.10.2rc1
-# still has --num-scheduler-steps. A bound that a pre-release already crossed names that
-# pre-release (0.16.0rc1 has --disable-access-log-for-endpoints).
-# A flag added in X counts from X's first release candidate, which is cut from
-# the branch that has it; removals are dated by the final release.
+# in PEP 440 order, where a release's pre-releases and dev builds come before it. A flag added
+# in X counts from X's first release candidate, which is cut from the branch that has it;
+# a removal is dated by the final release (0.10.2rc1 still has --num-scheduler-steps).
 FLAG_VERSIONS: dict[str, tuple[Version | None, Version | None]] = {
     "--shutdown-timeout": (Version("0.18.0rc1"), None),
     "--num-scheduler-steps": (None, Version("0.10.2")),

@@ -60,22 +60,17 @@ def _longest_step(cfg) -> steps.StepEstimate:
     """The longest engine step these settings allow, from extra_args, the profile and the model directory."""
     from r3090d.measure import modelinfo
     from r3090d.measure.plan import PlanError, estimate_weights, shape_from_config
+    from r3090d.preflight.checks import served_context
 
-    args = cfg.engine.extra_args
-    step_tokens = _int(flag_value(args, "--max-num-batched-tokens"))
-    profile = cfg.active_profile
-    context = profile.max_model_len if profile is not None else _int(flag_value(args, "--max-model-len"))
-    params = None
+    raw = flag_value(cfg.engine.extra_args, "--max-num-batched-tokens")
+    step_tokens = int(raw) if raw is not None and str(raw).isdigit() else None
+    shape = params = None
     model = modelinfo.read_model_dir(cfg.engine.model)
     if model.config is not None:
         try:
             shape = shape_from_config(model.config)
-            context = context or shape.max_position_embeddings
             params = estimate_weights(shape).params  # logical parameters: a quantized file stores fewer elements
         except PlanError:
             params = model.parameter_count  # a family plan cannot count: what the safetensors hold, if read
+    context, _ = served_context(cfg, shape.max_position_embeddings if shape else None)
     return steps.longest_step(step_tokens, context, params)
-
-
-def _int(raw) -> int | None:
-    return int(raw) if raw is not None and str(raw).isdigit() else None

@@ -319,7 +319,8 @@ def check_suspend(gpu: GpuSample, facts: PreflightFacts, cfg: Config) -> CheckRe
                        "suspend needs host memory for all the engine holds on the GPU")  # fmt: skip
 
 
-def _max_model_len(cfg: Config, config_max: int | None) -> tuple[int | None, str]:
+def served_context(cfg: Config, config_max: int | None) -> tuple[int | None, str]:
+    """The max_model_len vLLM will serve, and where it comes from: the profile, --max-model-len, else the model's own."""
     profile = cfg.active_profile
     if profile is not None:
         return profile.max_model_len, "max_model_len"
@@ -357,7 +358,7 @@ def check_model_fit(gpu: GpuSample, host: HostFacts, cfg: Config) -> CheckResult
             weights, source = estimate_weights(shape).bytes, "estimated from config.json"
         except PlanError as exc:
             return CheckResult("model_fit", Status.WARN, f"weight size unknown: {exc}", "", "cannot judge the fit before loading")
-    max_len, len_source = _max_model_len(cfg, shape.max_position_embeddings)
+    max_len, len_source = served_context(cfg, shape.max_position_embeddings)
     kv_dtype = flag_value(cfg.engine.extra_args, "--kv-cache-dtype") or "auto"
     try:
         per_token = kv_bytes_per_token(shape, kv_dtype)
