@@ -82,6 +82,15 @@ def engine_config(tmp_path: Path, engine_python: str, *, extra_args=(), engine=N
     return sections
 
 
+def ctrl_c_reaches_it() -> None:
+    """preexec_fn for a child a test stops with SIGINT: the default disposition, as under a terminal.
+
+    A test run started in the background of a shell ignores SIGINT, children inherit
+    an ignored signal, and Python then never raises KeyboardInterrupt in them.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def state_check(read_state, predicate, proc, what: str, log_tail, error: type[Exception] = AssertionError):
     """For wait_until: `predicate` of a daemon's state document; a part not there yet is "not yet",
     and the daemon's exit ends the wait at once with `error` and its log's tail."""

@@ -22,6 +22,7 @@ import pytest
 from r3090d import exitcodes
 from r3090d.service import control_client
 from tests.ctl_harness import CTL, ctl, ctl_json
+from tests.daemon_harness import ctrl_c_reaches_it
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
@@ -222,7 +223,7 @@ def test_status_follows_start_kv_restart_backoff_maintenance_reload_and_give_up(
     # engine stays stopped; a CLI already running (`status --watch`) sees it.
     watch_path = d.dir / "watch.out"
     watch_out = watch_path.open("w")
-    watcher = subprocess.Popen([*CTL, "status", "--watch", "0.2", "--json", "--config", str(d.config)], stdout=watch_out, stderr=subprocess.PIPE, text=True)
+    watcher = subprocess.Popen([*CTL, "status", "--watch", "0.2", "--json", "--config", str(d.config)], stdout=watch_out, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches_it)
     request.addfinalizer(lambda: watcher.poll() is None and watcher.kill())  # never left running by a failed assertion
 
     def watched() -> list[str]:
@@ -269,7 +270,7 @@ def test_status_follows_start_kv_restart_backoff_maintenance_reload_and_give_up(
     assert d.proc.wait_exit(timeout=30) == exitcodes.OK
     wait_until(lambda: "daemon gone" in watched(), 10, what="the watcher's view of the daemon gone")
     watcher.send_signal(signal.SIGINT)
-    _, err = watcher.communicate(timeout=30)  # a bound, not a wait: Ctrl-C ends it at once, but a loaded machine may be slow to let it
+    _, err = watcher.communicate(timeout=10)
     watch_out.close()
     out = watch_path.read_text()
     seen: dict[str, set[int]] = {}

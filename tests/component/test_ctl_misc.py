@@ -13,6 +13,7 @@ import pytest
 from r3090d import exitcodes
 from r3090d.service import control_client, control_protocol
 from tests.ctl_harness import CTL, ctl, ctl_json, engine_config, write_config
+from tests.daemon_harness import ctrl_c_reaches_it
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
@@ -48,11 +49,11 @@ def test_watch_prints_a_document_per_interval_until_interrupted(make_daemon):
     d.start()
     d.wait_ready()
     with (d.dir / "watch.out").open("w") as sink:  # a file, not a pipe: nobody reads while it runs
-        proc = subprocess.Popen([*CTL, "status", "--watch", "0.3", "--json", "--config", str(d.config)], stdout=sink, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen([*CTL, "status", "--watch", "0.3", "--json", "--config", str(d.config)], stdout=sink, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches_it)
         # Interrupted after its third document, however slowly it started.
         wait_until(lambda: len((d.dir / "watch.out").read_text().splitlines()) >= 4, 20, what="three documents")
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)  # a bound, not a wait: Ctrl-C ends it at once, but a loaded machine may be slow to let it
+        _, err = proc.communicate(timeout=10)
     out = (d.dir / "watch.out").read_text()
     docs = [json.loads(line) for line in out.splitlines()]
     assert proc.returncode == exitcodes.OK, err
