@@ -23,7 +23,6 @@ server thread.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -32,7 +31,6 @@ import selectors
 import socket
 import stat
 import struct
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +47,7 @@ from r3090d.service.control_protocol import (
     socket_path,
     validate,
 )
-from r3090d.service.selectorloop import drain, unregister_and_close
+from r3090d.service.selectorloop import SelectorServer
 
 log = logging.getLogger("r3090d.service.control")
 
@@ -58,6 +56,7 @@ MAX_REQUEST_BYTES = 64 * 1024  # a request line longer than this is refused and 
 MAX_PENDING_OUTPUT = 4 * 1024 * 1024  # a client that does not read its replies is dropped past this
 MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 5.0  # to send a (complete) request, and to read a reply
+LINGER_S = 1.0  # after a connection's last reply, for the client to close its side
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the trailing NUL
 
 
@@ -78,7 +77,8 @@ class _Conn:
     deadline: float = 0.0
     pending: int | None = None  # token of the command the loop is answering
     pending_cmd: str = ""
-    closing: bool = False  # close once outbuf is written
+    closing: bool = False  # its last reply is queued: nothing more is read as a request
+    lingering: bool = False  # last reply sent and our side shut: dropping input until the client closes
 
     def displace_rank(self) -> int | None:
         """Which connection makes room for a new client first (lowest), or None: it is being served."""
@@ -93,24 +93,19 @@ class _Conn:
         return 3  # not reading its replies
 
 
-class ControlServer:
+class ControlServer(SelectorServer):
     """Serves the control socket from one thread; `start()` raises ControlError, nothing after it raises."""
 
     def __init__(self, runtime_dir: str | Path, get_doc, submit, *, gid: int | None = None):
+        super().__init__("control socket", log)
         self.path = socket_path(runtime_dir)
         self._get_doc = get_doc
         self._submit = submit
         self._gid = os.getgid() if gid is None else gid
-        self._sel: selectors.BaseSelector | None = None
-        self._listener: socket.socket | None = None
-        self._wake_r: socket.socket | None = None
-        self._wake_w: socket.socket | None = None
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._conns: dict[int, _Conn] = {}
         self._next_id = 0
         self._next_token = 0
-        self._stopping = False
-        self._thread: threading.Thread | None = None
         self._inode: tuple[int, int] | None = None
         self.counters = {"connections": 0, "requests": 0, "errors": 0, "refused_busy": 0, "displaced": 0}
 
@@ -143,16 +138,7 @@ class ControlServer:
             listener.close()
             tmp.unlink(missing_ok=True)
             raise ControlError(f"cannot create the control socket {path}: {exc.strerror or exc}") from None
-        listener.setblocking(False)
-        self._listener = listener
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(listener, selectors.EVENT_READ, "listener")
-        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._thread = threading.Thread(target=self._serve, name="control", daemon=True)
-        self._thread.start()
+        self._run(listener)
         log.info("control socket %s (mode %o, group %s)", path, SOCKET_MODE, group_name(self._gid))
         return self
 
@@ -178,17 +164,7 @@ class ControlServer:
         raise ControlError(f"another r3090d is answering on {path}; is this instance already running?")
 
     def stop(self) -> None:
-        self._stopping = True
-        self._wake()
-        if self._thread is not None:
-            self._thread.join(5.0)
-        for conn in list(self._conns.values()):
-            self._close(conn)
-        for s in (self._listener, self._wake_r, self._wake_w):
-            if s is not None:
-                s.close()
-        if self._sel is not None:
-            self._sel.close()
+        super().stop()
         try:
             st = os.stat(self.path)
             if (st.st_dev, st.st_ino) == self._inode:  # never remove a successor's socket
@@ -196,80 +172,36 @@ class ControlServer:
         except OSError:
             pass
 
-    def _wake(self) -> None:
-        if self._wake_w is not None:
-            try:
-                self._wake_w.send(b"x")
-            except OSError:
-                pass  # full or closed: the thread is awake anyway
-
     # ---------------------------------------------------------- the thread
 
-    def _serve(self) -> None:
-        assert self._sel is not None
-        while not self._stopping:
-            now = time.monotonic()
-            deadlines = [c.deadline for c in self._conns.values()]
-            timeout = max(0.0, min([now + 1.0, *deadlines]) - now)
-            try:
-                events = self._sel.select(timeout)
-            except OSError as exc:  # should not happen; never spin on it
-                log.error("control socket select failed: %s", exc)
-                time.sleep(0.1)
-                continue
-            for key, mask in events:
-                try:
-                    if key.data == "listener":
-                        self._accept()
-                    elif key.data == "wake":
-                        self._drain_wake()
-                    else:
-                        conn = self._conns.get(key.data)
-                        if conn is None:
-                            continue
-                        if mask & selectors.EVENT_READ:
-                            self._read(conn)
-                        if conn.cid in self._conns and mask & selectors.EVENT_WRITE:
-                            self._flush(conn)
-                except Exception:  # a bug must cost one connection, not the server
-                    log.exception("control socket: unexpected error")
-                    conn = self._conns.get(key.data) if isinstance(key.data, int) else None
-                    if conn is not None:
-                        self._close(conn)
-            try:
-                self._deliver_replies()
-                self._expire(time.monotonic())
-            except Exception:
-                log.exception("control socket: unexpected error")
-
-    def _accept(self) -> None:
-        assert self._listener is not None and self._sel is not None
-        for _ in range(64):
-            try:
-                sock, _addr = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.warning("control socket: cannot accept: %s", exc.strerror)
-                return
-            sock.setblocking(False)
-            self.counters["connections"] += 1
-            if len(self._conns) >= MAX_CONNECTIONS and not self._displace():
-                self.counters["refused_busy"] += 1
-                try:
-                    sock.send(encode(error(f"busy: the daemon is answering {MAX_CONNECTIONS} requests, try again")))
-                except OSError:
-                    pass
-                sock.close()
-                continue
-            self._next_id += 1
-            conn = _Conn(sock=sock, cid=self._next_id, peer=_peer(sock), deadline=time.monotonic() + IDLE_TIMEOUT_S)
-            self._conns[conn.cid] = conn
-            self._sel.register(sock, selectors.EVENT_READ, conn.cid)
-            # A client usually sends its request with the connect: read it now, before
-            # a crowd of later connections could displace this one unread.
+    def _ready(self, conn: _Conn, mask: int) -> None:
+        if mask & selectors.EVENT_READ:
             self._read(conn)
+        if conn.cid in self._conns and mask & selectors.EVENT_WRITE:
+            self._flush(conn)
+
+    def _after_events(self, now: float) -> None:
+        self._deliver_replies()
+        self._expire(now)
+
+    def _admit(self, sock: socket.socket) -> None:
+        assert self._sel is not None
+        self.counters["connections"] += 1
+        if len(self._conns) >= MAX_CONNECTIONS and not self._displace():
+            self.counters["refused_busy"] += 1
+            try:
+                sock.send(encode(error(f"busy: the daemon is answering {MAX_CONNECTIONS} requests, try again")))
+            except OSError:
+                pass
+            sock.close()
+            return
+        self._next_id += 1
+        conn = _Conn(sock=sock, cid=self._next_id, peer=_peer(sock), deadline=time.monotonic() + IDLE_TIMEOUT_S)
+        self._conns[conn.cid] = conn
+        self._sel.register(sock, selectors.EVENT_READ, conn.cid)
+        # A client usually sends its request with the connect: read it now, before
+        # a crowd of later connections could displace this one unread.
+        self._read(conn)
 
     def _displace(self) -> bool:
         """Close the connection that is least in use, to make room; False if every one is being served."""
@@ -415,18 +347,27 @@ class ControlServer:
                 return
             del conn.outbuf[:sent]
         if conn.closing and not conn.outbuf:
-            self._close(conn)
+            self._linger(conn)
             return
         want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
         self._sel.modify(conn.sock, want, conn.cid)
 
-    def _close(self, conn: _Conn) -> None:
-        if self._conns.pop(conn.cid, None) is not None:
-            unregister_and_close(self._sel, conn.sock)
+    def _linger(self, conn: _Conn) -> None:
+        # Closing a unix socket with input unread would fail the client's send of the rest
+        # (an oversized request still being written) before it could read why: end our
+        # side, and drop what still comes until the client closes or LINGER_S passes.
+        assert self._sel is not None
+        if conn.lingering:
+            return
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self._close(conn)
+            return
+        conn.lingering = True
+        conn.deadline = time.monotonic() + LINGER_S
+        self._sel.modify(conn.sock, selectors.EVENT_READ, conn.cid)
 
-    def _drain_wake(self) -> None:
-        assert self._wake_r is not None
-        drain(self._wake_r)
 
 
 def _peer(sock: socket.socket) -> str:

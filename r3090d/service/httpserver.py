@@ -11,19 +11,17 @@ are well under a millisecond). Request parsing and reply rendering are pure.
 from __future__ import annotations
 
 import enum
-import errno
 import itertools
 import logging
 import re
 import selectors
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
 
-from r3090d.service.selectorloop import drain, unregister_and_close
+from r3090d.service.selectorloop import LISTENER, SelectorServer
 
 log = logging.getLogger("r3090d.service.exporter")
 
@@ -126,25 +124,17 @@ class _HttpConn:
     discarded: int = 0
 
 
-_LISTENER, _WAKE = "listener", "wake"
-
-
-class _HttpServer:
+class _HttpServer(SelectorServer):
     """HTTP/1.0 on one thread; `start()` raises OSError (the port), nothing after it raises."""
 
     def __init__(self, host: str, port: int, family: socket.AddressFamily, respond):
+        super().__init__("exporter", log)
         self._address = (host, port)
         self._family = family
         self._respond = respond  # HttpRequest -> HttpReply; must not raise
-        self._sel: selectors.BaseSelector | None = None
-        self._listener: socket.socket | None = None
-        self._wake_r: socket.socket | None = None
-        self._wake_w: socket.socket | None = None
-        self._conns: dict[int, _HttpConn] = {}  # in accept order: the first is the oldest
+        self._conns: dict[int, _HttpConn] = {}
         self._ids = itertools.count(1)
         self._accept_paused_until: float | None = None
-        self._stopping = False
-        self._thread: threading.Thread | None = None
         self.counters = {"connections": 0, "displaced": 0, "timed_out": 0}
 
     def start(self) -> int:
@@ -157,91 +147,37 @@ class _HttpServer:
         except OSError:
             listener.close()
             raise
-        listener.setblocking(False)
-        self._listener = listener
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(listener, selectors.EVENT_READ, _LISTENER)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
-        self._thread = threading.Thread(target=self._serve, name="exporter", daemon=True)
-        self._thread.start()
+        self._run(listener)
         return listener.getsockname()[1]
-
-    def stop(self) -> None:
-        self._stopping = True
-        if self._wake_w is not None:
-            try:
-                self._wake_w.send(b"x")
-            except OSError:
-                pass  # full or closed: the thread is awake anyway
-        if self._thread is not None:
-            self._thread.join(5.0)
-        for conn in list(self._conns.values()):
-            self._close(conn)
-        for s in (self._listener, self._wake_r, self._wake_w):
-            if s is not None:
-                s.close()
-        if self._sel is not None:
-            self._sel.close()
 
     # ---------------------------------------------------------- the thread
 
-    def _serve(self) -> None:
-        assert self._sel is not None
-        while not self._stopping:
-            now = time.monotonic()
-            wake_at = min((c.deadline for c in self._conns.values()), default=now + 1.0)
-            if self._accept_paused_until is not None:
-                wake_at = min(wake_at, self._accept_paused_until)
-            try:
-                events = self._sel.select(max(0.0, min(wake_at, now + 1.0) - now))
-            except OSError as exc:  # should not happen; never spin on it
-                log.error("exporter: select failed: %s", exc)
-                time.sleep(0.1)
-                continue
-            for key, _mask in events:
-                conn = None
-                try:
-                    if key.data == _LISTENER:
-                        self._accept()
-                    elif key.data == _WAKE:
-                        self._drain_wake()
-                    elif (conn := self._conns.get(key.data)) is not None:
-                        self._step(conn)
-                except Exception:  # a bug must cost one connection, not the server
-                    log.exception("exporter: unexpected error")
-                    if conn is not None:
-                        self._close(conn)
-            try:
-                self._expire(time.monotonic())
-            except Exception:
-                log.exception("exporter: unexpected error")
+    def _other_wake_times(self) -> list[float]:
+        return [] if self._accept_paused_until is None else [self._accept_paused_until]
 
-    def _accept(self) -> None:
-        assert self._listener is not None and self._sel is not None
-        for _ in range(64):
-            try:
-                sock, _addr = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    if self._conns:
-                        self._displace_oldest()  # frees a descriptor for the next try
-                        continue
-                    log.warning("exporter: cannot accept: %s", exc.strerror)
-                    self._pause_accepting()
-                return
-            sock.setblocking(False)
-            self.counters["connections"] += 1
-            while len(self._conns) >= MAX_HTTP_CONNECTIONS:
-                self._displace_oldest()
-            conn = _HttpConn(sock=sock, cid=next(self._ids), stage=Stage.READING, deadline=time.monotonic() + HEADER_TIMEOUT_S)
-            self._conns[conn.cid] = conn
-            self._sel.register(sock, selectors.EVENT_READ, conn.cid)
-            self._step(conn)  # most clients send their request with the connect: answer it now
+    def _ready(self, conn: _HttpConn, mask: int) -> None:
+        self._step(conn)
+
+    def _after_events(self, now: float) -> None:
+        self._expire(now)
+
+    def _accept_failed(self, exc: OSError) -> bool:
+        if self._conns:
+            self._displace_oldest()  # frees a descriptor for the next try
+            return True
+        super()._accept_failed(exc)
+        self._pause_accepting()
+        return False
+
+    def _admit(self, sock: socket.socket) -> None:
+        assert self._sel is not None
+        self.counters["connections"] += 1
+        while len(self._conns) >= MAX_HTTP_CONNECTIONS:
+            self._displace_oldest()
+        conn = _HttpConn(sock=sock, cid=next(self._ids), stage=Stage.READING, deadline=time.monotonic() + HEADER_TIMEOUT_S)
+        self._conns[conn.cid] = conn
+        self._sel.register(sock, selectors.EVENT_READ, conn.cid)
+        self._step(conn)  # most clients send their request with the connect: answer it now
 
     def _displace_oldest(self) -> None:
         self.counters["displaced"] += 1
@@ -324,18 +260,10 @@ class _HttpServer:
         if self._accept_paused_until is not None and now >= self._accept_paused_until:
             assert self._sel is not None and self._listener is not None
             self._accept_paused_until = None
-            self._sel.register(self._listener, selectors.EVENT_READ, _LISTENER)
+            self._sel.register(self._listener, selectors.EVENT_READ, LISTENER)
         for conn in [c for c in self._conns.values() if c.deadline <= now]:
             if conn.stage is Stage.READING:
                 self.counters["timed_out"] += 1
                 self._answer(conn, text_reply(408, f"request head not received within {HEADER_TIMEOUT_S:g} s"))
             else:
                 self._close(conn)  # a reply not taken in time, or a client that does not close
-
-    def _close(self, conn: _HttpConn) -> None:
-        if self._conns.pop(conn.cid, None) is not None:
-            unregister_and_close(self._sel, conn.sock)
-
-    def _drain_wake(self) -> None:
-        assert self._wake_r is not None
-        drain(self._wake_r)

@@ -122,3 +122,17 @@ def test_a_request_sent_a_byte_at_a_time_is_cut_at_the_deadline(rundir, server, 
     print(f"\ndribbling control client cut after {took:.2f} s: {got[:80]!r}")
     assert 0.9 <= took < 2.0
     assert json.loads(got.splitlines()[0]) == {"ok": False, "error": "incomplete request (no newline) within 1 s"}
+
+
+def test_a_client_still_writing_an_oversized_request_reads_why_it_was_refused(server):
+    # 300 KB is more than a unix socket buffers: the server answers after 64 KB while
+    # the client is still inside sendall. Closing then would break the client's send
+    # (EPIPE) before it could read the reply; the server must take and drop the rest.
+    data = b'{"cmd": "status", "x": "' + b"a" * 300_000 + b'"}\n'
+    with connect(server.path) as s:
+        s.sendall(data)
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+    assert json.loads(got) == {"ok": False, "error": f"request longer than {control.MAX_REQUEST_BYTES} bytes"}
+    wait_until(lambda: not server._conns, timeout=5, what="the server to let the connection go")
