@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import fcntl
-import json
 import os
 import re
 import signal
@@ -34,8 +33,9 @@ if str(ROOT) not in sys.path:
 
 from bench.gpu_idle import state_check  # noqa: E402
 from r3090d import config as configmod  # noqa: E402
+from r3090d import procstat  # noqa: E402
 from r3090d.effectors import child as engine_child  # noqa: E402
-from tests.daemon_harness import engine_config, write_config  # noqa: E402
+from tests.daemon_harness import engine_config, read_state_file, write_config  # noqa: E402
 from tests.waiting import WaitTimeout, wait_until  # noqa: E402
 
 SHIPPED_CONFIG = ROOT / "etc" / "r3090d.toml"
@@ -157,14 +157,7 @@ class Daemon:
         return self.proc.pid
 
     def state(self) -> dict | None:
-        try:
-            st = json.loads(self.state_path.read_text())
-        except (OSError, ValueError):
-            return None
-        pid = (st.get("engine") or {}).get("pid")
-        if pid:
-            self.engine_groups.add(pid)
-        return st
+        return read_state_file(self.state_path, self.engine_groups)
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -294,13 +287,8 @@ class ChildWatch:
                 if name in self.seen or not name.isdigit():
                     continue
                 self.seen.add(name)
-                try:
-                    with open(f"/proc/{name}/stat", "rb") as fh:
-                        stat = fh.read()
-                except OSError:
-                    continue
-                fields = stat[stat.rfind(b")") + 2 :].split(b" ", 2)
-                if int(fields[1]) == self.parent:
+                st = procstat.read(int(name))
+                if st is not None and st.ppid == self.parent:
                     self.found = (int(name), now)
                     return
             time.sleep(self.interval)

@@ -67,7 +67,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # r3090d from this checkout, installed or not
-from tests.daemon_harness import state_check, toml_value  # noqa: E402
+from r3090d import procstat  # noqa: E402
+from tests.daemon_harness import read_state_file, state_check, toml_value  # noqa: E402
 from tests.waiting import WaitTimeout, wait_until  # noqa: E402
 
 STANDIN = ROOT / "bench" / "gpu_engine_standin.py"
@@ -138,11 +139,8 @@ class Budget:
 
 def proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, process group) of a live process, None when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[2])
+    st = procstat.read(pid)
+    return (st.state, st.pgrp) if st is not None else None
 
 
 def cmdline(pid: int) -> str:
@@ -427,14 +425,7 @@ class DaemonRun:
         return "\n".join([line for line in lines if not POLL_ACCESS.search(line)][-n:])
 
     def state(self) -> dict | None:
-        try:
-            st = json.loads(self.state_path.read_text())
-        except (OSError, ValueError):
-            return None
-        pid = (st.get("engine") or {}).get("pid")
-        if pid:
-            self.engine_groups.add(pid)
-        return st
+        return read_state_file(self.state_path, self.engine_groups)
 
     def wait(self, predicate: Callable[[dict], object], timeout: float, what: str, budget: Budget):
         try:

@@ -91,6 +91,19 @@ def ctrl_c_reaches_it() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def read_state_file(path: Path, engine_groups: set[int] | None = None) -> dict | None:
+    """A daemon's state document as JSON, or None while it is missing or half written. The engine's
+    pid goes into `engine_groups` when given: a harness that kills what is left kills those groups."""
+    try:
+        st = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    pid = (st.get("engine") or {}).get("pid") if isinstance(st, dict) else None
+    if pid and engine_groups is not None:
+        engine_groups.add(pid)
+    return st
+
+
 def state_check(read_state, predicate, proc, what: str, log_tail, error: type[Exception] = AssertionError):
     """For wait_until: `predicate` of a daemon's state document; a part not there yet is "not yet",
     and the daemon's exit ends the wait at once with `error` and its log's tail."""
@@ -136,11 +149,7 @@ class DaemonProcess:
         import tomllib
 
         cfg = tomllib.loads(self.config_path.read_text())
-        path = Path(cfg["daemon"]["state_dir"]) / "state.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
+        return read_state_file(Path(cfg["daemon"]["state_dir"]) / "state.json")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

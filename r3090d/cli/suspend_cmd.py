@@ -97,6 +97,18 @@ def _finish(reply: dict, result: dict, as_json: bool) -> int:
     return code
 
 
+def _send(cfg, cmd: str, *, wait: bool, as_json: bool, limit: float) -> tuple[dict, dict | None, StateDocument | None]:
+    """Send `cmd`; with --wait and once accepted, follow it to its result (None: nothing to follow).
+    Also returns the state before the request."""
+    before = _before(cfg)
+    reply = ask(cfg, {"cmd": cmd})
+    if not reply.get("ok") or not wait:
+        return reply, None, before
+    if not as_json:
+        click.echo(reply.get("message") or "accepted")
+    return reply, follow(cfg, reply["request"], before.daemon.pid if before else None, limit, quiet=as_json), before
+
+
 def _suspend_timeout(cfg) -> float:
     return cfg.watchdog.lb_grace + cfg.suspend.drain_timeout + cfg.suspend.operation_timeout + 30
 
@@ -117,14 +129,8 @@ def suspend_command(wait, test, timeout, as_json, config_path, instance) -> int:
     if test:
         return _self_test(load_config(config_path, instance), timeout, as_json)
     cfg = load_config(config_path, instance, check_files=False)
-    before = _before(cfg)
-    reply = ask(cfg, {"cmd": "suspend"})
-    if not reply.get("ok") or not wait:
-        return _show(reply, as_json)
-    if not as_json:
-        click.echo(reply.get("message") or "accepted")
-    result = follow(cfg, reply["request"], before.daemon.pid if before else None, timeout or _suspend_timeout(cfg), quiet=as_json)
-    return _finish(reply, result, as_json)
+    reply, result, _ = _send(cfg, "suspend", wait=wait, as_json=as_json, limit=timeout or _suspend_timeout(cfg))
+    return _show(reply, as_json) if result is None else _finish(reply, result, as_json)
 
 
 @ctl.command("resume")
@@ -136,15 +142,11 @@ def suspend_command(wait, test, timeout, as_json, config_path, instance) -> int:
 def resume_command(wait, timeout, as_json, config_path, instance) -> int:
     """Take the GPU back: check it has room, restore the engine, and serve once /health and a probe pass."""
     cfg = load_config(config_path, instance, check_files=False)
-    before = _before(cfg)
-    reply = ask(cfg, {"cmd": "resume"})
-    if not reply.get("ok") or not wait:
-        return _show(reply, as_json)
-    if not as_json:
-        click.echo(reply.get("message") or "accepted")
     limit = timeout or _resume_timeout(cfg)
     started = time.monotonic()
-    result = follow(cfg, reply["request"], before.daemon.pid if before else None, limit, quiet=as_json)
+    reply, result, before = _send(cfg, "resume", wait=wait, as_json=as_json, limit=limit)
+    if result is None:
+        return _show(reply, as_json)
     if result.get("result") == Result.STARTED_COLD.value:
         # No engine was left to restore: a new one loads, as after a restart.
         left = max(1.0, limit + cfg.engine.startup_timeout - (time.monotonic() - started))

@@ -137,6 +137,11 @@ def progress_mark(snap: Snapshot) -> tuple[float | None, float | None, float | N
     return (eng.generation_tokens_total, eng.prompt_tokens_total, eng.kv_usage)
 
 
+def _held_since(since: float | None, holds: bool, now: float) -> float | None:
+    """When a condition that holds now began; None while it does not hold."""
+    return (now if since is None else since) if holds else None
+
+
 def _advance_progress(snap: Snapshot, w: WatchState, now: float) -> WatchState:
     mark = progress_mark(snap)
     if mark is None:
@@ -166,26 +171,19 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
         return w, Verdict(RestartReason.DEAD, f"/health refused for {w.refused_polls} polls", drain=False)
 
     # Hung: /health timing out for T seconds.
-    if health.status is HealthStatus.TIMEOUT:
-        since = w.timeout_since if w.timeout_since is not None else now
-        w = replace(w, timeout_since=since)
-        if now - since >= wd.hang_timeout:
-            return w, Verdict(RestartReason.HUNG, f"/health timed out for {now - since:.0f} s", drain=False)
-    else:
-        w = replace(w, timeout_since=None)
+    w = replace(w, timeout_since=_held_since(w.timeout_since, health.status is HealthStatus.TIMEOUT, now))
+    if w.timeout_since is not None and now - w.timeout_since >= wd.hang_timeout:
+        return w, Verdict(RestartReason.HUNG, f"/health timed out for {now - w.timeout_since:.0f} s", drain=False)
 
     eng = snap.engine
     running = eng.error is None and (eng.running or 0) > 0
     # Frozen engine, seen by the GPU: requests running while the GPU computes nothing.
     act = gpu_activity(snap, cfg)
     w = replace(w, gpu_busy=bool(act.busy), gpu_signal_off=act.why_not)
-    if running and act.busy is False:
-        since = w.gpu_idle_since if w.gpu_idle_since is not None else now
-        w = replace(w, gpu_idle_since=since)
-        if now - since >= wd.gpu_idle_stall_seconds:
-            return w, Verdict(RestartReason.GPU_IDLE, f"{eng.running:.0f} running and the GPU idle (0% busy) for {now - since:.1f} s", drain=False)
-    else:
-        w = replace(w, gpu_idle_since=None)
+    w = replace(w, gpu_idle_since=_held_since(w.gpu_idle_since, running and act.busy is False, now))
+    if w.gpu_idle_since is not None and now - w.gpu_idle_since >= wd.gpu_idle_stall_seconds:
+        idle_s = now - w.gpu_idle_since
+        return w, Verdict(RestartReason.GPU_IDLE, f"{eng.running:.0f} running and the GPU idle (0% busy) for {idle_s:.1f} s", drain=False)
 
     # Frozen engine, passive: requests running and nothing moving for S seconds. A busy
     # GPU is progress too (a long prefill moves no counter) but only up to the busy cap.

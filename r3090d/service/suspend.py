@@ -26,6 +26,7 @@ from pathlib import Path
 
 import psutil
 
+from r3090d import procstat
 from r3090d.config import Config
 from r3090d.core import policy
 from r3090d.core.actions import (
@@ -53,15 +54,9 @@ RECORD_FORMAT = 1
 
 
 def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22): with the pid, its identity."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    try:
-        return int(stat[stat.rfind(b")") + 2 :].split()[19])
-    except (IndexError, ValueError):
-        return None
+    """The process's start time in clock ticks since boot: with the pid, its identity."""
+    st = procstat.read(pid)
+    return st.start_ticks if st is not None else None
 
 
 @dataclass

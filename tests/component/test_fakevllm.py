@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from r3090d import config
+from r3090d import config, procstat
 from r3090d.argv import build_argv, engine_env, engine_version, parse_version
 from tests.fakevllm.harness import FakeVllm, free_port, http, read_sse, sse_events
 from tests.waiting import wait_until
@@ -90,15 +90,14 @@ def port_bound(port: int) -> bool:
 
 
 def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    st = procstat.read(pid)
+    return st is not None and st.live
 
 
 def ppid_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    st = procstat.read(pid)
+    assert st is not None, f"pid {pid} is gone"
+    return st.ppid
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ import httpx
 import psutil
 import pytest
 
+from r3090d import procstat
 from r3090d.service import exporter, forensics
 from tests.daemon_harness import DaemonProcess, engine_config, free_port, write_config
 from tests.fakevllm.harness import sse_events
@@ -211,18 +212,7 @@ needs_pidns = pytest.mark.skipif(_PIDNS_UNUSABLE is not None, reason=_PIDNS_UNUS
 
 def _proc_table() -> dict[int, tuple[str, int, str]]:
     """pid -> (state, ppid, comm), from the host's /proc."""
-    table = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.find("(") + 1 : stat.rfind(")")]
-        fields = stat[stat.rfind(")") + 2 :].split()
-        table[int(entry.name)] = (fields[0], int(fields[1]), comm)
-    return table
+    return {p.pid: (p.state, p.ppid, p.comm) for p in procstat.scan()}
 
 
 def descendants(root: int) -> dict[int, tuple[str, int, str]]:

@@ -25,7 +25,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from r3090d import exitcodes
+from r3090d import exitcodes, procstat
 from r3090d.effectors.checkpoint import FAKE_ENV
 from tests.ctl_harness import ctl, ctl_json
 from tests.waiting import wait_until
@@ -121,8 +121,9 @@ def suspended_gauges(d) -> dict[str, float]:
 
 
 def proc_state(pid: int) -> str:
-    text = Path(f"/proc/{pid}/stat").read_text()
-    return text[text.rindex(")") + 2]
+    st = procstat.read(pid)
+    assert st is not None, f"pid {pid} is gone"
+    return st.state
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from r3090d import procstat
 from r3090d.effectors.checkpoint import FAKE_ENV, ProcessState, Step
 from r3090d.effectors.suspender import WORKER_MODULE, Suspender
 from r3090d.effectors.suspender_worker import EXIT_REJECTED, Outcome
@@ -31,8 +32,9 @@ BOUND_S = 60.0  # generous: each operation starts a Python process on a busy 2-c
 
 def proc_state(pid: int) -> str:
     """The one-letter state in /proc/<pid>/stat (T: stopped)."""
-    text = Path(f"/proc/{pid}/stat").read_text()
-    return text[text.rindex(")") + 2]
+    st = procstat.read(pid)
+    assert st is not None, f"pid {pid} is gone"
+    return st.state
 
 
 class Rig:

@@ -22,6 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from r3090d import procstat
 from tests.waiting import wait_until
 
 SYSTEMD = "/lib/systemd/systemd"
@@ -221,7 +222,7 @@ class NamespacedSystemd:
                 continue
             try:
                 cgroups = Path(f"/proc/{pid}/cgroup").read_text()
-                if _state(pid) == "Z":
+                if not (st := procstat.read(pid)) or not st.live:
                     continue
             except OSError:
                 continue
@@ -243,7 +244,7 @@ class NamespacedSystemd:
                 cmdline = (
                     Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
                 )
-                if _state(pid) == "Z":
+                if not (st := procstat.read(pid)) or not st.live:
                     continue
             except OSError:
                 continue
@@ -279,10 +280,6 @@ def _comm(pid: int) -> str:
     return Path(f"/proc/{pid}/comm").read_text().strip()
 
 
-def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
 def _nspid(pid: int) -> list[int]:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -302,15 +299,11 @@ def proc_status(pid: int) -> dict[str, str]:
 
 def process_state(pid: int) -> str | None:
     """The state letter (R, S, T, Z, ...) or None if the pid is gone."""
-    try:
-        return _state(pid)
-    except OSError:
-        return None
+    st = procstat.read(pid)
+    return st.state if st is not None else None
 
 
 def start_time_ticks(pid: int) -> int | None:
     """Start time in clock ticks since boot: tells a pid from its reuse."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except OSError:
-        return None
+    st = procstat.read(pid)
+    return st.start_ticks if st is not None else None

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from r3090d import procstat
 from tests.waiting import wait_until
 
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
@@ -108,19 +109,7 @@ class FakeVllm:
 
     def group_pids(self) -> set[int]:
         """Every live process in the double's process group, reparented orphans included."""
-        pids = set()
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            state, pgid = fields[0], int(fields[2])
-            if pgid == self.proc.pid and state != "Z":
-                pids.add(int(entry.name))
-        return pids
+        return {p.pid for p in procstat.scan() if p.pgrp == self.proc.pid and p.live}
 
     def kill_all(self) -> None:
         if self.proc is None:
