@@ -333,9 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--scenario", choices=[s.name for s in SCENARIOS], action="append", help="run only this one (repeatable)")
     args = cli.parse_args(argv)
     benchlib.exit_on_sigterm()
-    skip = benchlib.long_real_skip("bench_false_restarts", f"{len(SCENARIOS)} runs of {args.minutes:g} min on the real vLLM")
-    if skip:
-        print(skip)
+    if benchlib.skipped_long_real("bench_false_restarts", f"{len(SCENARIOS)} runs of {args.minutes:g} min on the real vLLM"):
         return 0
     chosen = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
     results = []

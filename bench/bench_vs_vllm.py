@@ -103,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5: single rounds vary by up to 15%% on 2 cores)")
     args = cli.parse_args(argv)
     benchlib.exit_on_sigterm()
-    skip = benchlib.long_real_skip("bench_vs_vllm", f"{args.rounds} rounds on the real vLLM, about 9 min")
-    if skip:
-        print(skip)
+    if benchlib.skipped_long_real("bench_vs_vllm", f"{args.rounds} rounds on the real vLLM, about 9 min"):
         return 0
     from tests.e2e.real_vllm import ENGINE_BOUND_ARGS, engine_python_path, start_server
 

@@ -427,12 +427,16 @@ def real_engine_missing() -> str | None:
     return None
 
 
-def long_real_skip(name: str, what: str) -> str | None:
-    """Why a long benchmark on the real engine (`what`: its runs and length) is skipped here, or None to run it."""
+def skipped_long_real(name: str, what: str) -> bool:
+    """True, having said why, when a long benchmark on the real engine (`what`: its runs and length)
+    does not run here: it is opt-in, and needs the CPU vLLM."""
     if not long_enabled():
-        return f"{name} skipped: {what}; set {LONG_ENV}=1 to run it"
+        print(f"{name} skipped: {what}; set {LONG_ENV}=1 to run it")
+        return True
     missing = real_engine_missing()
-    return f"{name} skipped: {missing}" if missing else None
+    if missing:
+        print(f"{name} skipped: {missing}")
+    return missing is not None
 
 
 class VllmLock:

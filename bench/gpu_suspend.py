@@ -278,6 +278,14 @@ class Engine:
                 self.cond.wait(0.2)
         raise RuntimeError(f"the core made no progress in {timeout:.0f} s")
 
+    def check_after_resume(self, steps: int) -> tuple[int, bool, int]:
+        """Wait for the engine to serve again, then have it verify its ballast: (steps, ballast intact,
+        GEMV mismatches seen by its self-check)."""
+        steps = self.serving_after(steps, 120)
+        self.send(cmd="verify")
+        intact = self.reply("verify", 300)
+        return steps, intact, int(self.metrics()["gpu_suspend_selfcheck_failures_total"])
+
     def close(self) -> None:
         self.server.shutdown()
         if self.proc.poll() is None:
@@ -374,10 +382,7 @@ def bench_main(args) -> int:
             served = r.outcome is Outcome.RESUMED
             check = "-"
             if served:
-                steps = engine.serving_after(steps, 120)
-                engine.send(cmd="verify")
-                intact = engine.reply("verify", 300)
-                failures = int(engine.metrics()["gpu_suspend_selfcheck_failures_total"])
+                steps, intact, failures = engine.check_after_resume(steps)
                 check = f"{'ok' if intact and failures == 0 else 'BROKEN'} (ballast {'intact' if intact else 'CHANGED'}, {failures} GEMV mismatches)"
                 served = intact and failures == 0
             else:
@@ -440,10 +445,7 @@ def bench_main(args) -> int:
             resumed = r is not None and r.outcome is Outcome.RESUMED
             after = "-"
             if resumed:
-                steps = engine.serving_after(steps, 120)
-                engine.send(cmd="verify")
-                intact = engine.reply("verify", 300)
-                failures = int(engine.metrics()["gpu_suspend_selfcheck_failures_total"])
+                steps, intact, failures = engine.check_after_resume(steps)
                 after = f"serving, ballast {'intact' if intact else 'CHANGED'}, {failures} mismatches"
                 resumed = intact and failures == 0
             expected_all &= resumed

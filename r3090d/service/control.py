@@ -219,19 +219,9 @@ class ControlServer(SelectorServer):
         return True
 
     def _read(self, conn: _Conn) -> None:
-        try:
-            data = conn.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._close(conn)
-            return
-        if not data:
-            # The client is gone; a partial request dies with it.
-            self._close(conn)
-            return
-        if conn.closing:
-            return
+        data = self._receive(conn)
+        if data is None or conn.closing:
+            return  # nothing yet, the client left, or what it sends now is dropped
         conn.inbuf += data
         if conn.pending is not None and len(conn.inbuf) > 4 * MAX_REQUEST_BYTES:
             self._close(conn)  # pipelining far ahead of the answers

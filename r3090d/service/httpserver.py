@@ -194,15 +194,8 @@ class _HttpServer(SelectorServer):
         if conn.stage is Stage.WRITING:
             self._flush(conn)
             return
-        try:
-            data = conn.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._close(conn)
-            return
-        if not data:
-            self._close(conn)  # the client left (after its reply, or before finishing its request)
+        data = self._receive(conn)
+        if data is None:
             return
         if conn.stage is Stage.LINGERING:
             conn.discarded += len(data)

@@ -134,6 +134,20 @@ class SelectorServer:
             sock.setblocking(False)
             self._admit(sock)
 
+    def _receive(self, conn) -> bytes | None:
+        """What the client sent, or None: nothing yet, or the client left (the connection is then closed;
+        a partial request dies with it)."""
+        try:
+            data = conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            data = b""  # reset: as gone as a close
+        if not data:
+            self._close(conn)
+            return None
+        return data
+
     def _close(self, conn) -> None:
         if self._conns.pop(conn.cid, None) is not None:
             unregister_and_close(self._sel, conn.sock)
