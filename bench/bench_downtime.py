@@ -36,23 +36,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib  # noqa: E402
 from bench_respawn import time_respawn  # noqa: E402
-from benchlib import ChildWatch, Daemon, ExitWatch, fmt, median, p90, say  # noqa: E402
+from benchlib import ChildWatch, Daemon, ExitWatch, MomentWatch, fmt, median, p90, say  # noqa: E402
 
 DEATH_TARGET_S = 0.100
 STARTUP_DELAY = "1.0"  # the double's "model loading": /health refused for a second
 
 
-class HealthPoller:
-    """GET /health as fast as the engine answers, until the first 200; `at` is when it arrived."""
+class HealthPoller(MomentWatch):
+    """GET /health as fast as the engine answers, until the first 200; `wait` returns when it arrived."""
 
     def __init__(self, port: int):
         self.port = port
-        self.at: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="health-poller", daemon=True)
-        self._thread.start()
+        super().__init__("health-poller")
 
-    def _run(self) -> None:
+    def _watch(self) -> None:
         while not self._stop.is_set():
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1.0)
             try:
@@ -60,7 +57,7 @@ class HealthPoller:
                 status = conn.getresponse().status
                 now = time.time()
                 if status == 200:
-                    self.at = now
+                    self.found = now
                     return
             except OSError:
                 pass
@@ -68,12 +65,8 @@ class HealthPoller:
                 conn.close()
             time.sleep(0.001)
 
-    def wait(self, timeout: float) -> float:
-        self._thread.join(timeout)
-        self._stop.set()
-        if self.at is None:
-            raise RuntimeError(f"/health on port {self.port} never answered 200 within {timeout:.0f} s")
-        return self.at
+    def _missed(self, timeout: float) -> str:
+        return f"/health on port {self.port} never answered 200 within {timeout:.0f} s"
 
 
 class NotifyListener:

@@ -264,7 +264,30 @@ def engine_core_pid(api_pid: int) -> int:
     raise RuntimeError(f"no {' or '.join(ENGINE_NAMES)} under pid {api_pid}")
 
 
-class ChildWatch:
+class MomentWatch:
+    """A thread that watches for one moment; `wait` returns what it saw (`found`), or raises saying what was missed."""
+
+    def __init__(self, name: str):
+        self.found = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=name, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        raise NotImplementedError
+
+    def _missed(self, timeout: float) -> str:
+        raise NotImplementedError
+
+    def wait(self, timeout: float):
+        self._thread.join(timeout)
+        self._stop.set()
+        if self.found is None:
+            raise RuntimeError(self._missed(timeout))
+        return self.found
+
+
+class ChildWatch(MomentWatch):
     """Times the first new child of `parent` to appear, by a tight scan of /proc in a thread.
 
     Cheaper than psutil's children() (which reads every process's stat each time):
@@ -274,12 +297,9 @@ class ChildWatch:
         self.parent = parent
         self.interval = interval
         self.seen: set[str] = set(os.listdir("/proc"))
-        self.found: tuple[int, float] | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="child-watch", daemon=True)
-        self._thread.start()
+        super().__init__("child-watch")  # found: (pid, when)
 
-    def _run(self) -> None:
+    def _watch(self) -> None:
         while not self._stop.is_set():
             names = os.listdir("/proc")
             now = time.time()
@@ -293,12 +313,8 @@ class ChildWatch:
                     return
             time.sleep(self.interval)
 
-    def wait(self, timeout: float) -> tuple[int, float]:
-        self._thread.join(timeout)
-        self._stop.set()
-        if self.found is None:
-            raise RuntimeError(f"no new child of pid {self.parent} within {timeout:.0f} s")
-        return self.found
+    def _missed(self, timeout: float) -> str:
+        return f"no new child of pid {self.parent} within {timeout:.0f} s"
 
 
 class ExitWatch:
