@@ -16,6 +16,7 @@ from r3090d.core.snapshot import HealthStatus
 from r3090d.probes import inference
 from r3090d.probes.engine import EngineProbe, fetch_metrics, probe_health
 from r3090d.probes.inference import InferenceProber
+from tests.canned_reply_server import CannedReplyServer
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
@@ -113,16 +114,15 @@ class FakeEngine:
             protocol_version = "HTTP/1.1"
 
             def do_GET(self):  # noqa: N802 - http.server's naming
-                outer.requests.append((self.path, dict(self.headers)))
-                route = outer.routes.get(self.path)
-                if route is None:
-                    send(self, 404, b"not found\n")
-                else:
-                    route(self, outer.stop)
+                self.record_and_route()
 
             def do_POST(self):  # noqa: N802
+                # The body is read whole but unused: a keep-alive connection must not find it as the next request.
                 length = int(self.headers.get("Content-Length") or 0)
                 self.rfile.read(length)
+                self.record_and_route()
+
+            def record_and_route(self):
                 outer.requests.append((self.path, dict(self.headers)))
                 route = outer.routes.get(self.path)
                 if route is None:
@@ -350,50 +350,18 @@ def completion(handler, stop):
     send(handler, 200, b'{"choices":[{"text":"pong"}]}', content_type="application/json")
 
 
-class ProxyTrap:
-    """A stand-in for an HTTP proxy: counts connections, keeps what arrives, answers 502."""
-
-    def __init__(self):
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.listener.settimeout(0.05)
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.connections = 0
-        self.received = b""
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self):
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.connections += 1
-            with conn:
-                conn.settimeout(2)
-                try:
-                    self.received += conn.recv(65536)
-                    conn.sendall(
-                        b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                    )
-                except OSError:
-                    pass
-
-    def close(self):
-        self.stop.set()
-        self.thread.join(timeout=5)
-        self.listener.close()
+BAD_GATEWAY = b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
 @pytest.fixture
-def proxy_trap(monkeypatch) -> Iterator[ProxyTrap]:
-    """Every proxy variable, both spellings, points at the trap; nothing is exempted by NO_PROXY."""
-    trap = ProxyTrap()
+def proxy_trap(monkeypatch) -> Iterator[CannedReplyServer]:
+    """A stand-in for an HTTP proxy that answers 502 to all; `connections` and `received` show who came.
+
+    Every proxy variable, both spellings, points at the trap; nothing is exempted by NO_PROXY.
+    """
+    trap = CannedReplyServer(socket.create_server(("127.0.0.1", 0)), BAD_GATEWAY)
     for name in PROXY_VARIABLES:
-        monkeypatch.setenv(name, trap.url)
+        monkeypatch.setenv(name, f"http://127.0.0.1:{trap.listener.getsockname()[1]}")
     for name in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
     yield trap

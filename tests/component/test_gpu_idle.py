@@ -7,6 +7,8 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -64,15 +66,30 @@ def streams(url: str, n: int, stop: threading.Event) -> list[threading.Thread]:
     return threads
 
 
-def test_requests_running_on_an_idle_gpu_restart_with_reason_gpu_idle(tmp_path, fake_engine_python):
+@contextmanager
+def two_requests_running(
+    tmp_path, fake_engine_python, util: int, graphics=()
+) -> Iterator[tuple[DaemonProcess, Path, dict]]:
+    """A ready daemon whose engine holds the card as `util` and `graphics` say and runs two endless streams.
+
+    Yields the daemon, the card's file and the ready state; on the way out, ends the streams and the daemon.
+    """
     card = tmp_path / "card.json"
     d = start(tmp_path, fake_engine_python, card)
     stop = threading.Event()
     try:
         st = d.wait_ready()
-        the_engine_holds_the_card(card, st, util=90)
+        the_engine_holds_the_card(card, st, util=util, graphics=graphics)
         streams(st["engine"]["url"], 2, stop)
         wait_until(lambda: (d.state()["metrics"]["running"] or 0) >= 2, 20, what="two requests running")
+        yield d, card, st
+    finally:
+        stop.set()
+        d.cleanup()
+
+
+def test_requests_running_on_an_idle_gpu_restart_with_reason_gpu_idle(tmp_path, fake_engine_python):
+    with two_requests_running(tmp_path, fake_engine_python, util=90) as (d, card, st):
         # Busy GPU, tokens flowing: no restart, and the view is in use.
         wait_until(lambda: d.state()["watch"]["gpu_signal_off"] == "", 10, what="the GPU view in use")
         t_freeze = time.time()
@@ -82,20 +99,11 @@ def test_requests_running_on_an_idle_gpu_restart_with_reason_gpu_idle(tmp_path, 
         took = st2["restarts"]["last_at"] - t_freeze
         print(f"gpu_idle restart {took:.1f} s after the GPU went idle (gpu_idle_stall_seconds 2, poll 0.5 s)")
         assert 2.0 <= took <= 15.0
-    finally:
-        stop.set()
-        d.cleanup()
 
 
 def test_a_second_user_of_the_card_switches_the_gpu_view_off(tmp_path, fake_engine_python):
-    card = tmp_path / "card.json"
-    d = start(tmp_path, fake_engine_python, card)
-    stop = threading.Event()
-    try:
-        st = d.wait_ready()
-        the_engine_holds_the_card(card, st, util=0, graphics=[(4242, 300)])  # a desktop's Xorg on the card
-        streams(st["engine"]["url"], 2, stop)
-        wait_until(lambda: (d.state()["metrics"]["running"] or 0) >= 2, 20, what="two requests running")
+    # The card also lists a desktop's Xorg (pid 4242, 300 MiB) as a graphics process.
+    with two_requests_running(tmp_path, fake_engine_python, util=0, graphics=[(4242, 300)]) as (d, _, _):
         st = wait_until(lambda: (s := d.state()) and "4242" in (s["watch"]["gpu_signal_off"] or "") and s, 20, what="the view switched off")
         assert st["watch"]["gpu_signal_off"] == "another process uses the GPU (pid 4242)"
         # Requests running, the GPU reading 0% (the desktop's share of the card is not the engine's): no gpu_idle restart.
@@ -103,6 +111,3 @@ def test_a_second_user_of_the_card_switches_the_gpu_view_off(tmp_path, fake_engi
         while time.monotonic() < time_limit:
             assert d.state()["restarts"]["total"] == 0
             time.sleep(0.1)
-    finally:
-        stop.set()
-        d.cleanup()

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from r3090d.measure import loadgen
+from tests.loopback_http import QuietHandler, base_url, serving
 
 pytestmark = pytest.mark.component
 
@@ -27,29 +26,16 @@ def chunk(text, usage=None, finish=None):
     return sse(event)
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
+class Handler(QuietHandler):
     def do_GET(self):
-        body = json.dumps({"object": "list", "data": [{"id": "m"}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        self.answer(200, json.dumps({"object": "list", "data": [{"id": "m"}]}).encode())
 
     def do_POST(self):
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         mode = request["prompt"]
         if mode == "http500":
             body = json.dumps({"error": {"message": "engine is on fire", "code": 500}}).encode()
-            self.send_response(500)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.answer(500, body, content_type=None)
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -73,11 +59,8 @@ class Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    with serving(Handler) as httpd:
+        yield base_url(httpd)
 
 
 def stream(url, prompt, **kw):

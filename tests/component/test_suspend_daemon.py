@@ -242,6 +242,21 @@ def after_failure(r: Rig, api: int) -> int:
     return r.ready(old_pid=api)
 
 
+def run_under_fault(r: Rig, verb: str, conf: dict, code: int, result: str, calls: list[str]) -> dict:
+    """Runs `r3090ctl VERB --wait --json` with the fake driver failing as `conf` says, then clears the fault.
+
+    Checks that run's exit code, result and driver calls (`init` aside); returns the JSON it printed.
+    """
+    r.calls.unlink(missing_ok=True)
+    r.control_set(**conf)
+    done = r.ctl(verb, "--wait", "--json")
+    out = json.loads(done.stdout)
+    assert (done.returncode, out["result"]) == (code, result), (conf, out)
+    assert [c for c in r.driver_calls() if c != "init"] == calls, conf
+    r.control_set()
+    return out
+
+
 def test_every_suspend_failure(rig):
     r = rig()
     core = r.ready()
@@ -255,15 +270,9 @@ def test_every_suspend_failure(rig):
     ]
     restarts = 0
     for conf, code, result, calls, cold in cases:
-        r.calls.unlink(missing_ok=True)
-        r.control_set(**conf)
         st = r.d.state()
         api, generation = st["engine"]["pid"], st["engine"]["generation"]
-        done = r.ctl("suspend", "--wait", "--json")
-        out = json.loads(done.stdout)
-        assert (done.returncode, out["result"]) == (code, result), (conf, out)
-        assert [c for c in r.driver_calls() if c != "init"] == calls, conf
-        r.control_set()
+        out = run_under_fault(r, "suspend", conf, code, result, calls)
         if cold:
             restarts += 1
             assert "the engine restarts cold" in out["detail"]
@@ -292,13 +301,7 @@ def test_every_resume_failure(rig):
         st = r.d.state()
         api, generation = st["engine"]["pid"], st["engine"]["generation"]
         assert r.ctl("suspend", "--wait").returncode == 0
-        r.calls.unlink(missing_ok=True)
-        r.control_set(**conf)
-        done = r.ctl("resume", "--wait", "--json")
-        out = json.loads(done.stdout)
-        assert (done.returncode, out["result"]) == (code, result), (conf, out)
-        assert [c for c in r.driver_calls() if c != "init"] == calls, conf
-        r.control_set()
+        run_under_fault(r, "resume", conf, code, result, calls)
         if cold:
             restarts += 1
             core = after_failure(r, api)

@@ -4,33 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from r3090d.measure import loadgen, tokenize_client
 from r3090d.measure.prompts import PromptUnit
+from tests.loopback_http import QuietHandler, base_url, serving
 
 pytestmark = pytest.mark.component
 
 TEMPLATE_TOKENS = 5  # what this server's chat template adds
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class Handler(QuietHandler):
     mode = "count"  # set per test through the server
     seen: list[dict]
-
-    def log_message(self, *args):
-        pass
-
-    def answer(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_POST(self):
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -58,17 +46,9 @@ class Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.mode, httpd.seen = "count", []
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield httpd
-    httpd.shutdown()
-    httpd.server_close()
-
-
-def url(httpd) -> str:
-    return f"http://127.0.0.1:{httpd.server_address[1]}"
+    with serving(Handler) as httpd:
+        httpd.mode, httpd.seen = "count", []
+        yield httpd
 
 
 PLAN = loadgen.BenchPlan(levels=(1, 3), requests=5, rounds=2, warmup=3, prompt_tokens=30)
@@ -77,7 +57,7 @@ PLAN = loadgen.BenchPlan(levels=(1, 3), requests=5, rounds=2, warmup=3, prompt_t
 @pytest.mark.parametrize("chat", [False, True], ids=["prompt", "messages"])
 def test_every_prompt_of_the_plan_is_fitted_before_the_run(server, chat):
     done = []
-    target = loadgen.Target(url=url(server), model="m", chat=chat)
+    target = loadgen.Target(url=base_url(server), model="m", chat=chat)
     prompt_set = asyncio.run(tokenize_client.prepare_prompts(target, PLAN, on_prompt=lambda: done.append(1)))
     assert prompt_set.stats.unit is PromptUnit.TOKENS
     assert prompt_set.stats.exact == prompt_set.stats.prompts == PLAN.total_requests() == len(done) == 23
@@ -95,7 +75,7 @@ def test_every_prompt_of_the_plan_is_fitted_before_the_run(server, chat):
 def test_a_server_without_tokenize_gets_word_prompts(server, mode):
     server.mode = mode
     prompt_set = asyncio.run(
-        tokenize_client.prepare_prompts(loadgen.Target(url=url(server), model="m"), PLAN)
+        tokenize_client.prepare_prompts(loadgen.Target(url=base_url(server), model="m"), PLAN)
     )
     assert prompt_set.stats.unit is PromptUnit.WORDS and prompt_set.stats.exact == 0
     assert all(len(p.split()) == 30 for p in prompt_set.warmup)
@@ -109,13 +89,13 @@ def test_a_server_without_tokenize_gets_word_prompts(server, mode):
 def test_a_failing_tokenize_stops_the_run_with_the_reason(server, mode, reason):
     server.mode = mode
     with pytest.raises(loadgen.BenchError) as failed:
-        asyncio.run(tokenize_client.prepare_prompts(loadgen.Target(url=url(server), model="m"), PLAN))
+        asyncio.run(tokenize_client.prepare_prompts(loadgen.Target(url=base_url(server), model="m"), PLAN))
     assert reason in str(failed.value) and "/tokenize" in str(failed.value)
     assert failed.value.exit_code == loadgen.EX_UNAVAILABLE
 
 
 def test_an_unreachable_server_is_a_bench_error(server):
-    address = url(server)
+    address = base_url(server)
     server.shutdown()
     server.server_close()
     with pytest.raises(loadgen.BenchError) as failed:

@@ -10,12 +10,12 @@ import json
 import os
 import pwd
 import socket
-import threading
 from pathlib import Path
 
 import pytest
 
 from r3090d.service import control, control_client, control_protocol
+from tests.canned_reply_server import CannedReplyServer
 
 pytestmark = pytest.mark.component
 
@@ -55,39 +55,18 @@ def test_the_server_and_client_work_in_our_own_0755_dir(rundir):
         server.stop()
 
 
-class FakeDaemon:
+def fake_daemon(path: Path) -> CannedReplyServer:
     """What another user puts in a runtime directory they can write to: a control.sock with made-up answers."""
-
-    def __init__(self, path: Path):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(path))
-        self.sock.listen(8)
-        self.sock.settimeout(0.2)
-        self.asked = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                self.asked += 1
-                conn.recv(65536)
-                conn.sendall(json.dumps({"ok": True, "state": {"engine": {"phase": "ready", "model": "all is well"}}}).encode() + b"\n")
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(8)
+    made_up = {"ok": True, "state": {"engine": {"phase": "ready", "model": "all is well"}}}
+    return CannedReplyServer(listener, json.dumps(made_up).encode() + b"\n")
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770], ids=oct)
 def test_the_client_refuses_a_socket_in_a_runtime_dir_others_can_write(rundir, mode):
-    fake = FakeDaemon(control_protocol.socket_path(rundir))
+    fake = fake_daemon(control_protocol.socket_path(rundir))
     os.chmod(rundir, mode)
     try:
         with pytest.raises(control_client.ClientError) as exc:
@@ -96,4 +75,4 @@ def test_the_client_refuses_a_socket_in_a_runtime_dir_others_can_write(rundir, m
         fake.close()
     assert str(exc.value).startswith(f"daemon.runtime_dir {rundir} is writable by ")
     assert str(exc.value).endswith(f"(fix: chmod go-w {rundir})")
-    assert fake.asked == 0  # not even connected
+    assert fake.connections == 0  # not even connected
