@@ -17,22 +17,14 @@ from r3090d.config import AlertmanagerConfig, AlertsConfig, ConfigError, SyslogC
 from r3090d.core import alerting, policy
 from r3090d.core.actions import SendAlert
 from r3090d.core.rules import Condition
-from r3090d.core.snapshot import (
-    ChildSample,
-    EngineSample,
-    GpuSample,
-    GpuStatus,
-    HealthSample,
-    HealthStatus,
-    InferenceProbeSample,
-    Snapshot,
-)
+from r3090d.core.snapshot import ChildSample
 from r3090d.effectors import alertmanager as am
 from r3090d.effectors import alertmanager_payload as amp
 from r3090d.effectors.alertformat import AlertContext, RaisedAlert
 from r3090d.effectors.alerts import AlertDispatcher, _ChannelWorker
 from r3090d.effectors.channels import DeliveryError
 from tests.configs import bare_config
+from tests.snapshots import REFUSED, child, snap
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,14 +130,9 @@ def test_description_is_the_detail_and_a_detail_line_names_the_root_cause():
     assert dict(amp.alert_annotations("no cause here")) == {"summary": "no cause here"}
 
 
-def _child(gen, alive=True, cause=None):
-    return ChildSample(pid=100, alive=alive, started_at=0.0, exit_code=None if alive else 1,
-                       tree_pids=(100,) if alive else (), generation=gen, root_cause=cause, root_cause_certain=cause is not None)  # fmt: skip
-
-
-def _snap(now, ch, health):
-    return Snapshot(now=now, wall=now, child=ch, health=health, engine=EngineSample(),
-                    gpu=GpuSample(GpuStatus.DISABLED), inference=InferenceProbeSample())  # fmt: skip
+def _crashed(gen):
+    """The engine of generation `gen`, exited 1 with CAUSE as the certain root cause."""
+    return child(gen, alive=False, tree=(), exit_code=1, root_cause=CAUSE, root_cause_certain=True)
 
 
 def test_root_cause_is_cut_from_every_summary_the_policy_writes():
@@ -154,19 +141,18 @@ def test_root_cause_is_cut_from_every_summary_the_policy_writes():
                       watchdog={"start_failures": 10, "same_cause_failures": 3, "backoff_initial": 1.0, "restart_storm_restarts": 1})  # fmt: skip
     st = policy.initial_state(0.0)
     sent: list[SendAlert] = []
-    refused = HealthSample(HealthStatus.REFUSED)
     now, gen = 0.0, 0
     for _ in range(200):
         if st.phase is policy.Phase.GIVEN_UP:
             break
         if st.phase is policy.Phase.STARTING and st.generation != gen:
             gen = st.generation
-            ch = _child(gen, alive=False, cause=CAUSE)
+            ch = _crashed(gen)
         elif st.phase is policy.Phase.STARTING:
-            ch = _child(gen, alive=False, cause=CAUSE)
+            ch = _crashed(gen)
         else:
             ch = ChildSample(generation=gen)
-        acts, st = policy.decide(_snap(now, ch, refused), st, cfg, now)
+        acts, st = policy.decide(snap(now, ch, REFUSED), st, cfg, now)
         sent += [a for a in acts if isinstance(a, SendAlert)]
         now += 0.5
     by_key = {a.key: a for a in sent if a.state == "firing"}

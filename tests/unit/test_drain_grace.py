@@ -11,30 +11,13 @@ from r3090d import config
 from r3090d.core import policy
 from r3090d.core.actions import SendAlert, StartEngine, StopEngine
 from r3090d.core.policy import Phase
-from r3090d.core.snapshot import (
-    ChildSample,
-    EngineSample,
-    GpuSample,
-    GpuStatus,
-    HealthSample,
-    HealthStatus,
-    Snapshot,
-)
+from r3090d.core.snapshot import ChildSample, EngineSample
 from tests.configs import bare_config
-
-OK = HealthSample(HealthStatus.OK, 200)
+from tests.snapshots import drive_to_ready, snap
 
 
 def cfg(lb_grace=5.0, exporter=True, **watchdog) -> config.Config:
     return bare_config(watchdog={"lb_grace": lb_grace, **watchdog}, daemon={"exporter_enabled": exporter})
-
-
-def alive(gen=1):
-    return ChildSample(pid=100, alive=True, started_at=0.0, tree_pids=(100, 101), generation=gen)
-
-
-def snap(now, ch=None, engine=None, **kw):
-    return Snapshot(now=now, wall=now, child=ch or alive(), health=OK, engine=engine or EngineSample(), gpu=GpuSample(GpuStatus.DISABLED), **kw)
 
 
 def stops(actions):
@@ -42,11 +25,7 @@ def stops(actions):
 
 
 def ready(c):
-    st = policy.initial_state(0.0)
-    _, st = policy.decide(snap(0.0, ch=ChildSample()), st, c, 0.0)
-    _, st = policy.decide(snap(1.0), st, c, 1.0)
-    assert st.phase is Phase.READY
-    return st
+    return drive_to_ready(c)[1]
 
 
 def test_requested_drained_restart_holds_sigterm_for_lb_grace():

@@ -18,12 +18,10 @@ from r3090d.core.snapshot import (
     GpuProcess,
     GpuSample,
     GpuStatus,
-    HealthSample,
-    HealthStatus,
     InferenceProbeSample,
-    Snapshot,
 )
 from tests.configs import bare_config
+from tests.snapshots import HTTP_503, REFUSED, SKIPPED, TIMEOUT, child, drive_to_ready, snap
 
 MIB = 1024 * 1024
 
@@ -33,39 +31,14 @@ def cfg(**watchdog) -> config.Config:
     return bare_config(gpu={"required": watchdog.pop("gpu_required", False)}, watchdog=watchdog, alerts=alerts)
 
 
-OK = HealthSample(HealthStatus.OK, 200)
-REFUSED = HealthSample(HealthStatus.REFUSED)
-TIMEOUT = HealthSample(HealthStatus.TIMEOUT)
-
-
-def child(gen=1, alive=True, tree=(100, 101), exit_code=None, pid=100):
-    return ChildSample(pid=pid, alive=alive, started_at=0.0, exit_code=exit_code, tree_pids=tree if alive or tree else (), generation=gen)
-
-
-def snap(now, ch=None, health=OK, engine=None, gpu=None, inference=None, **kw):
-    return Snapshot(
-        now=now,
-        wall=now,
-        child=ch or child(),
-        health=health,
-        engine=engine or EngineSample(),
-        gpu=gpu or GpuSample(GpuStatus.DISABLED),
-        inference=inference or InferenceProbeSample(),
-        **kw,
-    )
-
-
 def kinds(actions):
     return [type(a).__name__ for a in actions if not isinstance(a, SendAlert)]
 
 
 def ready_state(c, now=0.0):
-    """Drive the policy from STOPPED to READY."""
-    st = policy.initial_state(now)
-    acts, st = policy.decide(snap(now, ch=ChildSample()), st, c, now)
-    assert kinds(acts) == ["StartEngine"]
-    acts, st = policy.decide(snap(now + 1), st, c, now + 1)
-    assert st.phase is Phase.READY
+    """Drive the policy from STOPPED to READY; its first tick starts the engine and does nothing else but alert."""
+    started, st = drive_to_ready(c, now)
+    assert kinds(started) == ["StartEngine"]
     return st
 
 
@@ -97,7 +70,7 @@ def test_start_then_ready_only_on_health_200():
     acts, st = policy.decide(snap(0, ch=ChildSample()), st, c, 0)
     assert acts == [StartEngine(reason="initial start")]
     assert st.phase is Phase.STARTING
-    for h in (REFUSED, TIMEOUT, HealthSample(HealthStatus.HTTP, 503)):
+    for h in (REFUSED, TIMEOUT, HTTP_503):
         acts, st = policy.decide(snap(5, health=h), st, c, 5)
         assert st.phase is Phase.STARTING and kinds(acts) == []
     acts, st = policy.decide(snap(6), st, c, 6)
@@ -120,7 +93,7 @@ def test_unrequested_exit_is_a_failure_whatever_the_code(code):
     c = cfg()
     st = ready_state(c)
     dead = ChildSample(pid=100, alive=False, exit_code=code, tree_pids=(101,), generation=1)
-    acts, st = policy.decide(snap(10, ch=dead, health=HealthSample(HealthStatus.SKIPPED)), st, c, 10)
+    acts, st = policy.decide(snap(10, ch=dead, health=SKIPPED), st, c, 10)
     assert st.phase is Phase.RESTARTING
     assert StopEngine(drain=False, reason="exited") in acts
     assert st.old_tree == (100, 101)
@@ -266,7 +239,7 @@ def test_given_up_stays_up_until_an_operator_restart_then_resolves_on_ready():
     st = given_up_state(c)
     gone = ChildSample(pid=100, alive=False, exit_code=1, tree_pids=(), generation=1)
     for t in range(2, 30):  # the daemon stays; nothing is started, nothing exits
-        acts, st = policy.decide(snap(t, ch=gone, health=HealthSample(HealthStatus.SKIPPED)), st, c, t)
+        acts, st = policy.decide(snap(t, ch=gone, health=SKIPPED), st, c, t)
         assert kinds(acts) == [] and st.phase is Phase.GIVEN_UP
     # A reload's restart never cold-starts a given-up engine.
     acts, st = policy.decide(snap(30, ch=gone, restart_requested=RestartKind.CONFIG), st, c, 30)
@@ -325,7 +298,7 @@ def test_dead_after_k_refused_polls_not_earlier():
 
 
 def test_503_is_dead_at_once():
-    i, acts, st = run_ready(cfg(), [snap(0, health=HealthSample(HealthStatus.HTTP, 503))])
+    i, acts, st = run_ready(cfg(), [snap(0, health=HTTP_503)])
     assert i == 0 and st.restart_reason == "dead"
 
 

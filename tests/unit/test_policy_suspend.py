@@ -28,10 +28,7 @@ from r3090d.core.snapshot import (
     GpuProcess,
     GpuSample,
     GpuStatus,
-    HealthSample,
-    HealthStatus,
     InferenceProbeSample,
-    Snapshot,
 )
 from r3090d.core.suspension import Result, Stage
 from r3090d.core.vocabulary import Phase, RestartReason
@@ -40,14 +37,13 @@ from r3090d.effectors.suspender import SuspendSample
 from r3090d.effectors.suspender_worker import Op, Outcome
 from r3090d.service import commands
 from tests.configs import bare_config
+from tests.snapshots import HTTP_503, OK, REFUSED, SKIPPED, TIMEOUT, child, snap
 
 GIB = 2**30
 MIB = 2**20
 API, CORE = 100, 101  # the engine's API server and its EngineCore, the one GPU process
 TREE = (API, CORE, 102)
 HELD = 15 * GIB
-OK = HealthSample(HealthStatus.OK, 200)
-REFUSED = HealthSample(HealthStatus.REFUSED)
 
 
 def cfg(*, suspend=None, watchdog=None, gpu_required=True, extra_args=(), alerts=None) -> config.Config:
@@ -69,7 +65,7 @@ def card(now, procs=((CORE, HELD),), total=24 * GIB, taken_at=None, util=0):
 
 
 def alive(gen=1, tree=TREE):
-    return ChildSample(pid=API, alive=True, started_at=0.0, tree_pids=tree, generation=gen)
+    return child(gen, pid=API, tree=tree)
 
 
 def worker(op, started, outcome=None, state=None, error=""):
@@ -97,11 +93,8 @@ class Run:
         self.now += dt
         kw.setdefault("ch", alive())
         kw.setdefault("gpu", card(self.now))
-        kw.setdefault("health", OK)
         kw.setdefault("engine", IDLE)
-        snap = Snapshot(now=self.now, wall=1000.0 + self.now, child=kw.pop("ch"), health=kw.pop("health"), engine=kw.pop("engine"),
-                        gpu=kw.pop("gpu"), inference=kw.pop("inference", InferenceProbeSample()), **kw)  # fmt: skip
-        self.acts, self.st = policy.decide(snap, self.st, self.c, self.now)
+        self.acts, self.st = policy.decide(snap(self.now, wall=1000.0 + self.now, **kw), self.st, self.c, self.now)
         return self.acts
 
     def of(self, kind):
@@ -158,9 +151,9 @@ class Run:
     ids=["no-gpu", "tp2", "tp4", "two-holders", "no-holder", "nvml-error", "starting", "suspended"],
 )
 def test_suspend_is_refused_in_one_line(c, gpu, phase, text, unavailable):
-    snap = Snapshot(now=1, wall=1, child=alive(), health=OK, engine=IDLE, gpu=gpu or card(1))
+    snapshot = snap(1, alive(), engine=IDLE, gpu=gpu or card(1))
     pending = commands.Pending()
-    reply = commands.answer_suspend({"cmd": "suspend"}, pending, c, phase=phase, suspended=None, snap=snap)
+    reply = commands.answer_suspend({"cmd": "suspend"}, pending, c, phase=phase, suspended=None, snap=snapshot)
     assert reply["ok"] is False and text in reply["error"] and "\n" not in reply["error"]
     assert reply["unavailable"] is unavailable
     assert pending.suspend is None  # nothing reaches the policy
@@ -177,13 +170,13 @@ def test_parallel_size_from_extra_args(args, size):
 
 def test_accepted_requests_are_numbered_and_one_at_a_time():
     pending = commands.Pending()
-    snap = Snapshot(now=1, wall=1, child=alive(), health=OK, engine=IDLE, gpu=card(1))
-    reply = commands.answer_suspend({"cmd": "suspend"}, pending, cfg(), phase=Phase.READY, suspended=None, snap=snap)
+    snapshot = snap(1, alive(), engine=IDLE, gpu=card(1))
+    reply = commands.answer_suspend({"cmd": "suspend"}, pending, cfg(), phase=Phase.READY, suspended=None, snap=snapshot)
     assert reply == {"ok": True, "message": "accepted: draining, then suspending the engine", "request": 1}
-    again = commands.answer_suspend({"cmd": "suspend"}, pending, cfg(), phase=Phase.READY, suspended=None, snap=snap)
+    again = commands.answer_suspend({"cmd": "suspend"}, pending, cfg(), phase=Phase.READY, suspended=None, snap=snapshot)
     assert not again["ok"] and "already accepted" in again["error"]
     assert pending.take_suspend() == (1, None)
-    reply = commands.answer_suspend({"cmd": "resume"}, pending, cfg(), phase=Phase.READY, suspended=None, snap=snap)
+    reply = commands.answer_suspend({"cmd": "resume"}, pending, cfg(), phase=Phase.READY, suspended=None, snap=snapshot)
     assert not reply["ok"] and reply["error"] == "the engine is ready, not suspended: nothing to resume"
 
 
@@ -228,7 +221,7 @@ def test_while_suspended_no_liveness_rule_fires_and_no_probe_is_sent():
     r.suspend()
     frozen = EngineSample(running=1, waiting=0, generation_tokens_total=100.0, prompt_tokens_total=10.0, free_blocks=0.0, kv_usage=1.0)
     borrower = card(0, procs=((4242, 23 * GIB),))
-    for health in (REFUSED, HealthSample(HealthStatus.TIMEOUT), HealthSample(HealthStatus.HTTP, 503)):
+    for health in (REFUSED, TIMEOUT, HTTP_503):
         for _ in range(40):  # 20 s each: over stall_seconds, hang_timeout, the probe's idle time
             r.tick(health=health, engine=frozen, gpu=dataclasses.replace(borrower, taken_at=r.now + 0.5))
             assert r.st.phase is Phase.SUSPENDED
@@ -464,14 +457,11 @@ def test_a_daemon_started_with_a_suspension_on_record_keeps_the_engine_down():
     st = policy.suspended_state(record, 10.0, since=-490.0)
     nothing = ChildSample()
     for t in range(11, 30):
-        acts, st = policy.decide(Snapshot(now=t, wall=t, child=nothing, health=HealthSample(HealthStatus.SKIPPED), engine=EngineSample(),
-                                          gpu=card(t, procs=())), st, c, t)  # fmt: skip
+        acts, st = policy.decide(snap(t, nothing, SKIPPED, gpu=card(t, procs=())), st, c, t)
         assert st.phase is Phase.SUSPENDED and not [a for a in acts if isinstance(a, StartEngine | StopEngine)]
     assert st.suspension.cold and st.suspension.bytes == HELD
-    acts, st = policy.decide(Snapshot(now=30, wall=30, child=nothing, health=HealthSample(HealthStatus.SKIPPED), engine=EngineSample(),
-                                      gpu=card(30, procs=()), resume_requested=1), st, c, 30)  # fmt: skip
-    acts, st = policy.decide(Snapshot(now=31, wall=31, child=nothing, health=HealthSample(HealthStatus.SKIPPED), engine=EngineSample(),
-                                      gpu=card(31, procs=())), st, c, 31)  # fmt: skip
+    acts, st = policy.decide(snap(30, nothing, SKIPPED, gpu=card(30, procs=()), resume_requested=1), st, c, 30)
+    acts, st = policy.decide(snap(31, nothing, SKIPPED, gpu=card(31, procs=())), st, c, 31)
     assert [type(a) for a in acts if not isinstance(a, SendAlert)] == [SaveSuspension, StartEngine]
 
 

@@ -27,7 +27,6 @@ from r3090d.core.snapshot import (
     HealthSample,
     HealthStatus,
     InferenceProbeSample,
-    Snapshot,
 )
 from r3090d.core.suspension import Result, Stage, Suspension
 from r3090d.core.vocabulary import Phase
@@ -44,6 +43,7 @@ from r3090d.service.report import (
     parse,
     report,
 )
+from tests.snapshots import snap
 
 NOW = 1_800_000_000.0
 OFFSET = NOW - 1000.0  # monotonic 1000 is NOW on the wall clock
@@ -78,8 +78,8 @@ def full_report(suspend: SuspendInfo | None = RESUMED, **policy) -> StateDocumen
         temperature_c=70, power_w=300.5, power_limit_w=350.0, compute_capability=(8, 6), clock_event_reasons=("gpu_idle",),
         processes=(GpuProcess(5, 1 << 30),), pcie_width=16, pcie_gen=4,
     )  # fmt: skip
-    snap = Snapshot(
-        now=1000.0, wall=NOW, child=ChildSample(pid=5, alive=True, tree_pids=(5, 6), generation=3),
+    snapshot = snap(
+        1000.0, wall=NOW, ch=ChildSample(pid=5, alive=True, tree_pids=(5, 6), generation=3),
         health=HealthSample(HealthStatus.OK, 200, 0.01),
         engine=EngineSample(kv_usage=0.5, num_gpu_blocks=100, free_blocks=49.5, running=2.0, waiting=0.0, cache_config=(("block_size", "16"),)),
         gpu=gpu, inference=InferenceProbeSample(sent_at=998.0, finished_at=998.5, ok=True),
@@ -88,7 +88,7 @@ def full_report(suspend: SuspendInfo | None = RESUMED, **policy) -> StateDocumen
     stats.observe(0.02)
     stats.observe(0.3, (79,))
     summary = {"exit_code": 1, "checks": [{"name": "swap", "status": "warn", "measured": "on", "expected": "off", "hint": "swapoff -a", "permanent": True}], "at": NOW - 900}
-    return report(st_, snap, cfg, identity=DaemonIdentity(1, NOW - 2000, "0.1.0", "gpu1"), offset=OFFSET, written_at=NOW - 1,
+    return report(st_, snapshot, cfg, identity=DaemonIdentity(1, NOW - 2000, "0.1.0", "gpu1"), offset=OFFSET, written_at=NOW - 1,
                   tick_s=0.0123, preflight=summary, telemetry=stats.to_json(), suspend=suspend)  # fmt: skip
 
 
@@ -363,7 +363,7 @@ def test_a_standing_suspension_reads_back_typed_with_what_to_do_next():
 
 def test_next_action_follows_the_stage_of_a_suspend_or_resume_under_way():
     drain = CFG.suspend.drain_timeout
-    draining = Suspension(Stage.DRAINING, 990.0, 1, target=6)  # 10 s ago (snap.now is 1000)
+    draining = Suspension(Stage.DRAINING, 990.0, 1, target=6)  # 10 s ago (snapshot.now is 1000)
     assert suspended_report(draining, Phase.SUSPENDING, standing_info(draining)).next_action == (
         f"checkpoint the engine once nothing runs (at the latest in {drain - 10:.0f} s after the load balancer's grace)"
     )
