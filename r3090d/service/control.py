@@ -327,36 +327,14 @@ class ControlServer(SelectorServer):
 
     def _flush(self, conn: _Conn) -> None:
         assert self._sel is not None
-        while conn.outbuf:
-            try:
-                sent = conn.sock.send(conn.outbuf)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                self._close(conn)  # reset or broken pipe: the client left
-                return
-            del conn.outbuf[:sent]
+        if not self._send_buffered(conn):
+            return
         if conn.closing and not conn.outbuf:
-            self._linger(conn)
+            if not conn.lingering:
+                conn.lingering = self._end_our_side(conn, LINGER_S)
             return
         want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
         self._sel.modify(conn.sock, want, conn.cid)
-
-    def _linger(self, conn: _Conn) -> None:
-        # Closing a unix socket with input unread would fail the client's send of the rest
-        # (an oversized request still being written) before it could read why: end our
-        # side, and drop what still comes until the client closes or LINGER_S passes.
-        assert self._sel is not None
-        if conn.lingering:
-            return
-        try:
-            conn.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            self._close(conn)
-            return
-        conn.lingering = True
-        conn.deadline = time.monotonic() + LINGER_S
-        self._sel.modify(conn.sock, selectors.EVENT_READ, conn.cid)
 
 
 

@@ -228,26 +228,10 @@ class _HttpServer(SelectorServer):
         self._flush(conn)
 
     def _flush(self, conn: _HttpConn) -> None:
-        assert self._sel is not None
-        while conn.outbuf:
-            try:
-                sent = conn.sock.send(conn.outbuf)
-            except (BlockingIOError, InterruptedError):
-                return  # the selector says when it can take more
-            except OSError:
-                self._close(conn)
-                return
-            del conn.outbuf[:sent]
-        # Closing with unread input would reset the connection and could destroy the
-        # reply in the client's buffers: end our side, and read until the client closes.
-        try:
-            conn.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            self._close(conn)
+        if not self._send_buffered(conn) or conn.outbuf:
             return
-        conn.stage = Stage.LINGERING
-        conn.deadline = time.monotonic() + LINGER_S
-        self._sel.modify(conn.sock, selectors.EVENT_READ, conn.cid)
+        if self._end_our_side(conn, LINGER_S):
+            conn.stage = Stage.LINGERING
 
     def _expire(self, now: float) -> None:
         if self._accept_paused_until is not None and now >= self._accept_paused_until:

@@ -148,6 +148,35 @@ class SelectorServer:
             return None
         return data
 
+    def _send_buffered(self, conn) -> bool:
+        """Send what `conn.outbuf` holds until the socket would block (the selector then says when
+        it can take more); False when the client left, and the connection is closed."""
+        while conn.outbuf:
+            try:
+                sent = conn.sock.send(conn.outbuf)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                self._close(conn)  # reset or broken pipe
+                return False
+            del conn.outbuf[:sent]
+        return True
+
+    def _end_our_side(self, conn, linger_s: float) -> bool:
+        """After a connection's last reply: shut our side and keep reading (the subclass drops what
+        comes) until the client closes or `linger_s` passes. Closing with input unread would reset
+        the connection, which can destroy the reply in the client's buffers, or fail the client's
+        send of the rest of its request before it could read why. False if the connection is closed."""
+        assert self._sel is not None
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self._close(conn)
+            return False
+        conn.deadline = time.monotonic() + linger_s
+        self._sel.modify(conn.sock, selectors.EVENT_READ, conn.cid)
+        return True
+
     def _close(self, conn) -> None:
         if self._conns.pop(conn.cid, None) is not None:
             unregister_and_close(self._sel, conn.sock)
