@@ -20,10 +20,10 @@ import pytest
 from r3090d.config import WatchdogConfig
 from r3090d.core.snapshot import GpuStatus
 from r3090d.probes import nvml as probe
+from r3090d.units import GIB
 from tests.waiting import wait_until
 
 PACKAGE = Path(probe.__file__).resolve().parents[1]
-GIB = 1024**3
 
 
 def err(code_name: str) -> Exception:

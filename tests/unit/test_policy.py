@@ -20,10 +20,9 @@ from r3090d.core.snapshot import (
     GpuStatus,
     InferenceProbeSample,
 )
+from r3090d.units import MIB
 from tests.configs import bare_config
 from tests.snapshots import HTTP_503, REFUSED, SKIPPED, TIMEOUT, child, drive_to_ready, snap
-
-MIB = 1024 * 1024
 
 
 def cfg(**watchdog) -> config.Config:

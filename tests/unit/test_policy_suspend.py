@@ -36,11 +36,10 @@ from r3090d.effectors.checkpoint import ProcessState
 from r3090d.effectors.suspender import SuspendSample
 from r3090d.effectors.suspender_worker import Op, Outcome
 from r3090d.service import commands
+from r3090d.units import GIB, MIB
 from tests.configs import bare_config
 from tests.snapshots import HTTP_503, OK, REFUSED, SKIPPED, TIMEOUT, child, snap
 
-GIB = 2**30
-MIB = 2**20
 API, CORE = 100, 101  # the engine's API server and its EngineCore, the one GPU process
 TREE = (API, CORE, 102)
 HELD = 15 * GIB

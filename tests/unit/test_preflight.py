@@ -14,9 +14,8 @@ from r3090d.core.snapshot import GpuProcess, GpuSample, GpuStatus, HostFacts, Po
 from r3090d.measure.modelinfo import ModelFacts, WeightFile
 from r3090d.preflight import checks as preflight
 from r3090d.preflight.checks import PreflightFacts, Status, exit_code, failures, run_checks
+from r3090d.units import GIB, MIB
 
-MIB = 1024**2
-GIB = 1024**3
 QWEN_7B = json.loads((Path(__file__).parents[1] / "data" / "qwen2.5-7b-config.json").read_text())
 
 RTX3090 = GpuSample(

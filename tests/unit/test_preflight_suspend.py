@@ -10,9 +10,8 @@ from r3090d import config
 from r3090d.core.snapshot import GpuProcess, GpuSample, GpuStatus, HostFacts
 from r3090d.preflight import gather
 from r3090d.preflight.checks import GPU_CHECKS, PreflightFacts, Status, check_suspend, exit_code, run_checks
+from r3090d.units import GIB
 
-MIB = 1024**2
-GIB = 1024**3
 CARD = GpuSample(GpuStatus.OK, driver_version="580.95.05", cuda_driver_version=13000, memory_total=24 * GIB, memory_free=23 * GIB,
                  memory_used=0, processes=())  # fmt: skip
 

@@ -43,13 +43,13 @@ from r3090d.service.report import (
     parse,
     report,
 )
+from r3090d.units import GIB
 from tests.snapshots import snap
 
 NOW = 1_800_000_000.0
 OFFSET = NOW - 1000.0  # monotonic 1000 is NOW on the wall clock
 
 
-GIB = 1 << 30
 # The suspend section of a daemon whose engine was suspended and resumed once: no suspension stands.
 RESUMED = SuspendInfo(
     last=LastRequest(2, "resume", Result.RESUMED, "pid 6 resumed, 15.0 GiB back on the GPU", NOW - 100),

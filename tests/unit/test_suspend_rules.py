@@ -12,8 +12,7 @@ from r3090d.core.snapshot import GpuProcess
 from r3090d.effectors.checkpoint import CheckpointError, ProcessState, Step
 from r3090d.effectors.suspender import can_resume, pick_target
 from r3090d.effectors.suspender_worker import DONE, Command, Line, Op, Outcome, execute
-
-GIB = 2**30
+from r3090d.units import GIB
 
 
 def test_can_resume_with_room():
