@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from r3090d.core.vocabulary import AlertState, Severity
+
 
 @dataclass(frozen=True)
 class StartEngine:
@@ -19,8 +21,8 @@ class StopEngine:
 @dataclass(frozen=True)
 class SendAlert:
     key: str
-    severity: str  # "info" | "warning" | "critical"
-    state: str  # "firing" | "reminder" | "resolved"
+    severity: Severity
+    state: AlertState
     summary: str  # one line: the syslog message and the email subject's tail
     detail: str = ""  # optional longer text for the email body (evidence, numbers, hints)
 

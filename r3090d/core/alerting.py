@@ -26,22 +26,14 @@ persist it and a restart neither re-sends nor forgets.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, replace
 
 from r3090d.config import AlertsConfig, Config
 from r3090d.core.actions import SendAlert
 from r3090d.core.rules import Condition
+from r3090d.core.vocabulary import AlertState, Severity
 
 KV_PRESSURE = "kv_pressure"  # the key with its own resolve hold
-
-
-class AlertState(enum.StrEnum):
-    """SendAlert.state values."""
-
-    FIRING = "firing"
-    REMINDER = "reminder"
-    RESOLVED = "resolved"
 
 
 @dataclass(frozen=True)
@@ -49,7 +41,7 @@ class AlertEntry:
     firing: bool = False  # the condition fires, whether or not a FIRING could be sent
     active_polls: int = 0
     inactive_polls: int = 0
-    severity: str = "warning"
+    severity: Severity = Severity.WARNING
     summary: str = ""
     since: float | None = None  # when it started firing
     last_sent_at: float | None = None  # any state, for the per-key minimum interval
@@ -115,7 +107,7 @@ def _rate_ok(e: AlertEntry, ac: AlertsConfig, now: float) -> bool:
 def _on_event(
     c: Condition, e: AlertEntry, ac: AlertsConfig, now: float, muted: bool
 ) -> tuple[AlertEntry, SendAlert | None]:
-    if not c.active or not (_rate_ok(e, ac, now) or c.severity == "critical"):
+    if not c.active or not (_rate_ok(e, ac, now) or c.severity == Severity.CRITICAL):
         return e, None
     e = replace(e, summary=c.summary, severity=c.severity)
     if muted:

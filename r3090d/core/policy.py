@@ -42,7 +42,7 @@ from r3090d.core.actions import (
 )
 from r3090d.core.snapshot import HealthStatus, Snapshot
 from r3090d.core.suspension import Result, SuspendResult, Suspension
-from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartKind, RestartReason
+from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartKind, RestartReason, Severity
 
 # How long to wait for NVML to stop listing processes of the old tree once
 # psutil says they are gone, before starting the new engine anyway.
@@ -287,7 +287,7 @@ def _restart(snap, st, cfg, now, actions, events, reason, detail, *, drain, coun
         actions.append(StopEngine(drain=drain and snap.child.alive, reason=reason))
     wait = f", next start in {delay:.0f} s" if delay else ""
     cause = f"; root cause: {root_cause}" if root_cause else ""
-    events.append(rules.Condition("engine_restarted", True, "warning", f"engine restarting ({reason}): {detail}{cause}{wait}", event=True))
+    events.append(rules.Condition("engine_restarted", True, Severity.WARNING, f"engine restarting ({reason}): {detail}{cause}{wait}", event=True))
     phase = Phase.DRAINING if drain and snap.child.alive else Phase.RESTARTING
     st = _to(
         st,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from r3090d.config import MIB, Config
 from r3090d.core.snapshot import GpuStatus, HealthStatus, Snapshot
-from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartReason
+from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartReason, Severity
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def track_blindness(snap: Snapshot, b: Blindness, cfg: Config, engine_ready: boo
 class Condition:
     key: str
     active: bool
-    severity: str  # info | warning | critical
+    severity: Severity
     summary: str
     event: bool = False  # one-shot: sent as it happens, no hysteresis, no resolve
     immediate: bool = False  # a state, not a noisy reading: fire on the first active poll
@@ -299,7 +299,7 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
     out.append(Condition(
         "gave_up",
         life.phase is Phase.GIVEN_UP or life.gave_up_unresolved,
-        "critical",
+        Severity.CRITICAL,
         f"gave up: {life.give_up_reason}; the engine stays stopped until r3090ctl restart" if life.give_up_reason
         else "the engine is ready again after a give-up",
         immediate=True,
@@ -308,7 +308,7 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
     out.append(Condition(
         "restart_storm",
         storm,
-        "warning",
+        Severity.WARNING,
         f"{life.recent_restarts} engine restarts in {wd.restart_storm_window:.0f} s (last: {life.restart_reason}{cause})" if storm
         else f"restarts back under {wd.restart_storm_restarts} in {wd.restart_storm_window:.0f} s",
         immediate=True,
@@ -318,29 +318,29 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
         blind_what.append(f"/metrics failing for {blind.metrics_polls} polls ({blind.metrics_detail}): the KV and stall rules see nothing")
     if blind.nvml_polls >= wd.blind_polls:
         blind_what.append(f"NVML failing for {blind.nvml_polls} polls ({blind.nvml_detail}): the GPU rules see nothing")
-    out.append(Condition("watchdog_blind", bool(blind_what), "warning", "watchdog blind: " + "; ".join(blind_what) if blind_what else "the watchdog sees again"))
+    out.append(Condition("watchdog_blind", bool(blind_what), Severity.WARNING, "watchdog blind: " + "; ".join(blind_what) if blind_what else "the watchdog sees again"))
     if cfg.gpu.required:
         lost = g.lost or g.status is GpuStatus.LOST
-        out.append(Condition("gpu_lost", lost, "critical", f"GPU {cfg.gpu.index} is lost ({g.detail or 'GpuIsLost'}): reboot needed" if lost else f"GPU {cfg.gpu.index} answers NVML again"))
+        out.append(Condition("gpu_lost", lost, Severity.CRITICAL, f"GPU {cfg.gpu.index} is lost ({g.detail or 'GpuIsLost'}): reboot needed" if lost else f"GPU {cfg.gpu.index} answers NVML again"))
         xids = tuple(sorted(set(w.xid_seen) | set(g.xid_errors)))
-        out.append(Condition("gpu_xid", bool(xids), "critical", f"XID critical errors {', '.join(map(str, xids))}: reboot needed" if xids else "no XID critical error seen since the daemon started"))
-        out.append(Condition("nvml_hung", g.hung, "warning", f"an NVML call has been stuck for {g.age_s or 0:.0f} s" if g.hung else "NVML answers again"))
+        out.append(Condition("gpu_xid", bool(xids), Severity.CRITICAL, f"XID critical errors {', '.join(map(str, xids))}: reboot needed" if xids else "no XID critical error seen since the daemon started"))
+        out.append(Condition("nvml_hung", g.hung, Severity.WARNING, f"an NVML call has been stuck for {g.age_s or 0:.0f} s" if g.hung else "NVML answers again"))
         limit = wd.gpu_memory_alert_mib * MIB
         if life.phase in SUSPEND_PHASES:
             # The card is lent: what the borrower uses is none of this alert's business.
-            out.append(Condition("gpu_memory", False, "warning", "GPU memory alert paused: the engine is suspended, the GPU lent"))
+            out.append(Condition("gpu_memory", False, Severity.WARNING, "GPU memory alert paused: the engine is suspended, the GPU lent"))
         elif g.usable and g.memory_used is not None:
             over = g.memory_used > limit
-            out.append(Condition("gpu_memory", over, "warning", f"GPU memory used {g.memory_used / MIB:.0f} MiB (alert above {wd.gpu_memory_alert_mib} MiB)" if over else f"GPU memory used {g.memory_used / MIB:.0f} MiB, back under {wd.gpu_memory_alert_mib} MiB"))
+            out.append(Condition("gpu_memory", over, Severity.WARNING, f"GPU memory used {g.memory_used / MIB:.0f} MiB (alert above {wd.gpu_memory_alert_mib} MiB)" if over else f"GPU memory used {g.memory_used / MIB:.0f} MiB, back under {wd.gpu_memory_alert_mib} MiB"))
         if g.usable and g.temperature_c is not None:
             hot = g.temperature_c >= wd.temperature_warn_c
-            out.append(Condition("gpu_temperature", hot, "warning", f"GPU at {g.temperature_c} C (warning at {wd.temperature_warn_c} C)" if hot else f"GPU cooled to {g.temperature_c} C (warning at {wd.temperature_warn_c} C)"))
+            out.append(Condition("gpu_temperature", hot, Severity.WARNING, f"GPU at {g.temperature_c} C (warning at {wd.temperature_warn_c} C)" if hot else f"GPU cooled to {g.temperature_c} C (warning at {wd.temperature_warn_c} C)"))
         if g.usable and g.power_w is not None and g.power_limit_w:
             high = g.power_w >= wd.power_warn_ratio * g.power_limit_w
-            out.append(Condition("gpu_power", high, "warning", f"GPU power {g.power_w:.0f} W of a {g.power_limit_w:.0f} W limit (warning at {wd.power_warn_ratio:.0%})" if high else f"GPU power back to {g.power_w:.0f} W of a {g.power_limit_w:.0f} W limit"))
+            out.append(Condition("gpu_power", high, Severity.WARNING, f"GPU power {g.power_w:.0f} W of a {g.power_limit_w:.0f} W limit (warning at {wd.power_warn_ratio:.0%})" if high else f"GPU power back to {g.power_w:.0f} W of a {g.power_limit_w:.0f} W limit"))
         if g.usable and g.clock_event_reasons is not None:
             hit = sorted(set(g.clock_event_reasons) & set(wd.throttle_warn_reasons))
-            out.append(Condition("gpu_throttle", bool(hit), "warning", f"GPU clocks held back: {', '.join(hit)}" if hit else "GPU clocks no longer held back"))
+            out.append(Condition("gpu_throttle", bool(hit), Severity.WARNING, f"GPU clocks held back: {', '.join(hit)}" if hit else "GPU clocks no longer held back"))
         slope = memory_slope(w.memory_points)
         if g.usable and g.memory_used is not None and life.phase is Phase.READY:
             growing = False
@@ -349,13 +349,13 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
                 eta = (limit - g.memory_used) / slope
                 growing = 0 < eta <= wd.growth_horizon
                 text = f"GPU memory grows {slope * 3600 / MIB:.0f} MiB/h; crosses {wd.gpu_memory_alert_mib} MiB in {eta / 3600:.1f} h"
-            out.append(Condition("gpu_memory_growth", growing, "warning", text))
+            out.append(Condition("gpu_memory_growth", growing, Severity.WARNING, text))
     if life.phase is Phase.READY:
         rate = preemption_rate(w)
         rate_text = f", {rate:.1f} preemptions/min" if rate is not None else ""
         eng = snap.engine
         counts = f"{eng.free_blocks or 0:.0f} free blocks, {eng.running or 0:.0f} running, {eng.waiting or 0:.0f} waiting"
-        out.append(Condition("kv_pressure", w.kv_load, "warning", f"KV cache full under load: {counts}{rate_text}" if w.kv_load else f"KV cache has room again: {counts}"))
+        out.append(Condition("kv_pressure", w.kv_load, Severity.WARNING, f"KV cache full under load: {counts}{rate_text}" if w.kv_load else f"KV cache has room again: {counts}"))
     backoff = life.phase is Phase.BACKOFF and (life.backoff_remaining or 0) > 0
-    out.append(Condition("engine_backoff", backoff, "warning", f"engine restart backoff after {life.restart_reason}: {life.backoff_remaining or 0:.0f} s left" if backoff else f"engine restart backoff over (after {life.restart_reason})"))
+    out.append(Condition("engine_backoff", backoff, Severity.WARNING, f"engine restart backoff after {life.restart_reason}: {life.backoff_remaining or 0:.0f} s left" if backoff else f"engine restart backoff over (after {life.restart_reason})"))
     return out

@@ -53,7 +53,7 @@ from r3090d.core.actions import (
 )
 from r3090d.core.rules import Condition
 from r3090d.core.snapshot import GpuProcess, HealthStatus, Snapshot
-from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartReason
+from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartReason, Severity
 from r3090d.effectors.checkpoint import ProcessState
 from r3090d.effectors.suspender import SuspendSample, can_resume, pick_target
 from r3090d.effectors.suspender_worker import Outcome
@@ -326,7 +326,7 @@ def _gone_cold(s: Suspension, snap: Snapshot, now: float) -> Move:
     actions: list[Action] = [SaveSuspension(s.record(None))]
     if (child.alive or child.tree_pids) and not child.stopping:
         actions.append(StopEngine(drain=False, reason="suspended engine lost"))
-    return Move(s, Phase.SUSPENDED, tuple(actions), result=result, event=Condition("suspended_engine_lost", True, "warning", text, event=True))
+    return Move(s, Phase.SUSPENDED, tuple(actions), result=result, event=Condition("suspended_engine_lost", True, Severity.WARNING, text, event=True))
 
 
 def advance(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
@@ -516,7 +516,7 @@ def conditions(s: Suspension | None, phase: Phase, snap: Snapshot, cfg: Config, 
     out = [Condition(
         "suspended_long",
         long,
-        "warning",
+        Severity.WARNING,
         f"the engine has been suspended for {_span(now - (since or now))}, {held}; {HOW_TO_RESUME} brings it back" if long
         else "the engine is no longer suspended, or not for long",
         immediate=True,
@@ -527,7 +527,7 @@ def conditions(s: Suspension | None, phase: Phase, snap: Snapshot, cfg: Config, 
     out.append(Condition(
         "suspend_stuck",
         stuck,
-        "critical",
+        Severity.CRITICAL,
         f"the GPU driver's {w.op} of pid {w.pid} has not returned for {took:.0f} s (step {w.step}): a driver call may be stuck" if stuck
         else "no suspend or resume is stuck in the GPU driver",
         immediate=True,

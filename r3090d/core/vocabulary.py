@@ -1,4 +1,4 @@
-"""The core's vocabulary: phases, restart reasons and how a restart was asked for.
+"""The core's vocabulary: phases, restart reasons, how a restart was asked for, alert severities and states.
 
 str-valued, so the state file, the exporter's labels and the CLI keep their text,
 and derive their lists from here instead of spelling the strings again.
@@ -52,3 +52,19 @@ class RestartReason(enum.StrEnum):
     REQUESTED = "requested"  # r3090ctl restart, or a reload that changed the engine's settings
     SUSPEND_FAILED = "suspend_failed"  # the driver's checkpoint left the engine unable to serve
     RESUME_FAILED = "resume_failed"  # restore failed, or the resumed engine did not pass /health and a probe
+
+
+class Severity(enum.StrEnum):
+    """How bad an alert is: the syslog priority, the email's subject, Alertmanager's `severity` label."""
+
+    INFO = "info"
+    WARNING = "warning"
+    CRITICAL = "critical"  # never rate-limited; status CRITICAL while it fires
+
+
+class AlertState(enum.StrEnum):
+    """Where a sent alert is in its lifecycle (SendAlert.state)."""
+
+    FIRING = "firing"
+    REMINDER = "reminder"
+    RESOLVED = "resolved"

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 
 from r3090d.config import Config
 from r3090d.core.actions import SendAlert
+from r3090d.core.vocabulary import AlertState, Severity
 
 MAX_SYSLOG_TEXT = 2000  # characters; well under any datagram limit
 MAX_SUBJECT_SUMMARY = 100
 
 
-_SYSLOG_PRIORITY = {"critical": "crit", "warning": "warning", "info": "info"}
+_SYSLOG_PRIORITY = {Severity.CRITICAL: "crit", Severity.WARNING: "warning", Severity.INFO: "info"}
 CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]+")
 
 
@@ -131,7 +132,7 @@ def one_line(text: str) -> str:
 
 
 def syslog_priority_name(alert: SendAlert) -> str:
-    if alert.state == "resolved":
+    if alert.state == AlertState.RESOLVED:
         return "notice"
     return _SYSLOG_PRIORITY.get(alert.severity, "warning")
 

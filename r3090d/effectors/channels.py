@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from r3090d.config import AlertsConfig, Config, ConfigError, EmailConfig, SyslogConfig
 from r3090d.core.actions import SendAlert
+from r3090d.core.vocabulary import AlertState, Severity
 from r3090d.effectors.alertformat import (
     CONTROL_CHARS,
     AlertContext,
@@ -450,8 +451,8 @@ class ChannelResult:
 def make_test_alert(context: AlertContext, clock=time.time) -> RaisedAlert:
     alert = SendAlert(
         key="test",
-        severity="info",
-        state="firing",
+        severity=Severity.INFO,
+        state=AlertState.FIRING,
         summary="test alert from r3090ctl alerts test",
         detail="This is a test. If you read it, r3090d can reach you through this channel. No action is needed.",
     )

@@ -224,7 +224,7 @@ def families(doc: StateDocument | dict | None, now: float) -> list:
     fam = GaugeMetricFamily("r3090d_alerts_firing", "1 while an alert is firing (0: known, not firing)", labels=["alert", "severity"])
     for key in sorted(set(firing) | set(book)):
         severity = firing[key].severity if key in firing else book[key].severity
-        fam.add_metric([key, severity or "warning"], 1.0 if key in firing else 0.0)
+        fam.add_metric([key, severity], 1.0 if key in firing else 0.0)
     out.append(fam)
     silenced = GaugeMetricFamily("r3090d_alert_silenced_until_timestamp_seconds", "Unix time until which an alert's notifications are silenced", labels=["alert"])
     for key, until in sorted(d.alerts.active_silences(now).items()):

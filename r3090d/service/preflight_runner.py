@@ -18,6 +18,7 @@ from r3090d import exitcodes
 from r3090d.config import Config
 from r3090d.core.actions import SendAlert
 from r3090d.core.snapshot import GpuStatus
+from r3090d.core.vocabulary import AlertState, Severity
 from r3090d.preflight import checks, gather
 from r3090d.service.report import DaemonIdentity
 from r3090d.service.state import plain, read_json, write_json_atomic
@@ -75,7 +76,7 @@ class PreflightRunner:
         text = "; ".join(f"{r.name}: {r.measured} (expected {r.expected}){' - ' + r.hint if r.hint else ''}" for r in failed)
         log.error("preflight failed, not starting vLLM: %s (exit %d)", text, code)
         if self.alerts is not None:
-            self.alerts.submit(SendAlert(key="preflight_failed", severity="critical", state="firing", summary=f"preflight failed: {text}"))
+            self.alerts.submit(SendAlert(key="preflight_failed", severity=Severity.CRITICAL, state=AlertState.FIRING, summary=f"preflight failed: {text}"))
         self._write()
         return code
 

@@ -30,7 +30,7 @@ from r3090d.core.alerting import AlertBook, AlertEntry
 from r3090d.core.policy import PolicyState
 from r3090d.core.snapshot import EngineSample, GpuSample, HealthSample, Snapshot
 from r3090d.core.suspension import HOW_TO_RESUME, Result, Stage
-from r3090d.core.vocabulary import SUSPEND_PHASES, Phase
+from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, Severity
 from r3090d.preflight.checks import CheckResult
 from r3090d.service.state import BOOK_TIME_FIELDS
 
@@ -138,7 +138,7 @@ class Thresholds:
 
 @dataclass(frozen=True)
 class FiringAlert:
-    severity: str = "warning"
+    severity: Severity = Severity.WARNING
     summary: str = ""
     since: float | None = None
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from r3090d.core.alerting import AlertBook, AlertEntry
+from r3090d.core.vocabulary import Severity
 
 STATE_FILE = "state.json"
 FORMAT_VERSION = 1
@@ -96,6 +97,8 @@ def book_from_json(data: dict | None, offset: float) -> AlertBook:
             raw = {k: v for k, v in raw.items() if k in fields}
             for name in BOOK_TIME_FIELDS:
                 raw[name] = mono(raw.get(name))
+            if "severity" in raw:
+                raw["severity"] = Severity(raw["severity"])
             entries.append((key, AlertEntry(**raw)))
         silenced = tuple(sorted((k, float(u) - offset) for k, u in (data.get("silenced") or {}).items()))
     except (TypeError, ValueError, AttributeError):

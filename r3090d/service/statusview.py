@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from r3090d import exitcodes
 from r3090d.core.snapshot import GpuSample, GpuStatus
 from r3090d.core.suspension import Stage
-from r3090d.core.vocabulary import Phase
+from r3090d.core.vocabulary import Phase, Severity
 from r3090d.service.report import StateDocument, SuspendInfo, parse_section, view
 from r3090d.units import GIB
 
@@ -72,7 +72,7 @@ def evaluate(doc: StateDocument | dict | None, *, running: bool, now: float) -> 
     for key, alert in sorted(d.alerts.firing.items()):
         if key in muted:
             continue
-        (crit if alert.severity == "critical" else warn).append(f"{key} firing")
+        (crit if alert.severity == Severity.CRITICAL else warn).append(f"{key} firing")
     if crit:
         return Verdict(exitcodes.CRITICAL, tuple(crit + warn))
     if warn:

@@ -14,6 +14,7 @@ from r3090d.core import alerting
 from r3090d.core.actions import SendAlert
 from r3090d.core.alerting import AlertBook
 from r3090d.core.rules import Condition
+from r3090d.core.vocabulary import AlertState, Severity
 from r3090d.service.report import book_info
 from r3090d.service.state import book_from_json
 
@@ -27,7 +28,7 @@ def config(**alerts) -> Config:
 
 
 def cond(
-    active: bool, key: str = "kv_pressure", severity: str = "warning", immediate: bool = False
+    active: bool, key: str = "kv_pressure", severity: Severity = Severity.WARNING, immediate: bool = False
 ) -> Condition:
     return Condition(key, active, severity, FIRING_TEXT if active else CLEAR_TEXT, immediate=immediate)
 
@@ -38,7 +39,7 @@ def drive(
     cfg: Config,
     key: str = "kv_pressure",
     book: AlertBook | None = None,
-    severity: str = "warning",
+    severity: Severity = Severity.WARNING,
     start: float = 1000.0,
     muted_until: float | None = None,
     immediate: bool = False,
@@ -266,3 +267,18 @@ def test_a_book_written_before_fired_sent_existed_still_loads(raw, fired_sent):
     assert entry.firing == raw["firing"]
     assert entry.fired_sent is fired_sent
     assert entry.clear_since is None
+
+
+def test_a_restored_book_holds_severities_as_the_enum_and_an_unknown_one_is_garbage():
+    book = book_from_json({"entries": {"gpu_lost": {"firing": True, "severity": "critical", "since": 900.0}}, "silenced": {}}, offset=0.0)
+    assert book.get("gpu_lost").severity is Severity.CRITICAL
+    # A severity this r3090d does not know is a damaged file: an empty book, as for other garbage, never a crash.
+    assert book_from_json({"entries": {"gpu_lost": {"firing": True, "severity": "page"}}, "silenced": {}}, offset=0.0).entries == ()
+
+
+def test_conditions_and_alerts_speak_the_vocabulary():
+    """Every severity the core emits is a Severity, every state an AlertState: the text is theirs, not spelled again."""
+    sent, _ = drive(lambda i: i < 5, 200, config(min_interval=0.0), key="gpu_memory", severity=Severity.CRITICAL)
+    assert {type(a.severity) for _, a in sent} == {Severity}
+    assert {type(a.state) for _, a in sent} == {AlertState}
+    assert [a.state for _, a in sent] == [AlertState.FIRING, AlertState.RESOLVED]
