@@ -12,12 +12,12 @@ from r3090d.core import policy
 from r3090d.core.policy import Phase, PolicyState
 from r3090d.core.snapshot import (
     ChildSample,
-    EngineSample,
     GpuSample,
     GpuStatus,
     HealthSample,
     HealthStatus,
     InferenceProbeSample,
+    MetricsSample,
     Snapshot,
 )
 
@@ -35,7 +35,7 @@ def child(gen=1, *, alive=True, tree=(100, 101), pid=100, **fields) -> ChildSamp
     return ChildSample(pid=pid, alive=alive, started_at=0.0, tree_pids=tree, generation=gen, **fields)
 
 
-def snap(now, ch=None, health=OK, engine=None, gpu=None, inference=None, *, wall=None, **fields) -> Snapshot:
+def snap(now, ch=None, health=OK, metrics=None, gpu=None, inference=None, *, wall=None, **fields) -> Snapshot:
     """One tick's snapshot at monotonic `now` (and wall clock `wall`, by default `now`).
 
     What is left out is the quiet default: child(), /health OK, no metrics, GPU not monitored,
@@ -46,7 +46,7 @@ def snap(now, ch=None, health=OK, engine=None, gpu=None, inference=None, *, wall
         wall=now if wall is None else wall,
         child=ch or child(),
         health=health,
-        engine=engine or EngineSample(),
+        metrics=metrics or MetricsSample(),
         gpu=gpu or GpuSample(GpuStatus.DISABLED),
         inference=inference or InferenceProbeSample(),
         **fields,

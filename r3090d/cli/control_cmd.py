@@ -16,7 +16,7 @@ from r3090d.cli.common import UsageExit, config_option, ctl, emit_json, instance
 from r3090d.config import ConfigError
 from r3090d.core.vocabulary import Phase
 from r3090d.service import control_client, control_protocol, statusview
-from r3090d.service.report import StateDocument, UnreadableFormat, view
+from r3090d.service.statedoc import StateDocument, UnreadableFormat, view
 
 REQUEST_TIMEOUT_S = 15.0
 RELOAD_TIMEOUT_S = control_protocol.RELOAD_TIMEOUT_S + 5.0

@@ -94,7 +94,7 @@ def show(number: int, path, rec: dict) -> None:
     snap = rec.get("snapshot") or {}
     child = snap.get("child") or {}
     health = snap.get("health") or {}
-    eng = snap.get("engine") or {}
+    eng = snap.get("metrics") or snap.get("engine") or {}  # "engine": a record written before the field was renamed
     echo(f"Engine     pid {child.get('pid')}, alive {child.get('alive')}, exit code {child.get('exit_code')}, tree {child.get('tree_pids')}")
     echo(f"/health    {health.get('status')}" + (f" {health.get('http_status')}" if health.get("http_status") else "") + (f" ({health.get('detail')})" if health.get("detail") else ""))
     if eng.get("kv_usage") is not None:

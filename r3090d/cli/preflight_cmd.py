@@ -15,8 +15,8 @@ import psutil
 from r3090d.cli.common import HealthCommand, config_option, ctl, emit_json, instance_option, load_config
 from r3090d.config import Config
 from r3090d.preflight import checks as preflightmod
-from r3090d.service.report import UnreadableFormat, view
 from r3090d.service.state import STATE_FILE, read_json
+from r3090d.service.statedoc import UnreadableFormat, view
 
 COLUMNS = ("name", "status", "measured", "expected", "hint")
 

@@ -33,8 +33,8 @@ from r3090d.cli.common import (
 from r3090d.config import ConfigError
 from r3090d.service import control_client, statusview
 from r3090d.service.exporter import stale_after
-from r3090d.service.report import StateDocument, UnreadableFormat, view
 from r3090d.service.state import STATE_FILE
+from r3090d.service.statedoc import StateDocument, UnreadableFormat, view
 
 STATUS_TIMEOUT_S = 5.0
 
@@ -121,10 +121,10 @@ def start_hint(cfg) -> str:
     return f"systemctl start {unit}   (or in a terminal: r3090d --config {cfg.source})"
 
 
-def judge(found: Located, now: float) -> statusview.Verdict:
+def judge(found: Located, now: float) -> statusview.HealthVerdict:
     if found.unreadable:
-        return statusview.Verdict(exitcodes.UNKNOWN, (found.unreadable,))
-    return statusview.evaluate(found.state, running=found.running, now=now)
+        return statusview.HealthVerdict(exitcodes.UNKNOWN, (found.unreadable,))
+    return statusview.verdict_of(found.state, running=found.running, now=now)
 
 
 def render(cfg, found: Located, now: float, as_json: bool) -> int:

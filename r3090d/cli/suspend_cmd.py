@@ -26,7 +26,7 @@ from r3090d.cli.common import config_option, ctl, emit_json, instance_option, lo
 from r3090d.cli.control_cmd import ask, follow_state, read_state, wait_ready
 from r3090d.core.suspension import Result
 from r3090d.core.vocabulary import Phase
-from r3090d.service.report import StateDocument, SuspendInfo, UnreadableFormat
+from r3090d.service.statedoc import StateDocument, SuspendInfo, UnreadableFormat
 from r3090d.units import MIB
 
 EXIT_UNAVAILABLE = exitcodes.PREFLIGHT_PERMANENT  # 69, EX_UNAVAILABLE: this host or config cannot suspend

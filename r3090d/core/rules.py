@@ -39,7 +39,7 @@ class WatchState:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class RestartVerdict:
     reason: RestartReason  # DEAD | HUNG | STALLED | KV
     detail: str
     drain: bool
@@ -72,7 +72,7 @@ _NVML_BLIND = (GpuStatus.ERROR, GpuStatus.NO_DRIVER, GpuStatus.NO_LIBRARY, GpuSt
 
 
 def track_blindness(snap: Snapshot, b: Blindness, cfg: Config, engine_ready: bool) -> Blindness:
-    eng, g = snap.engine, snap.gpu
+    eng, g = snap.metrics, snap.gpu
     if engine_ready and eng.error is not None:
         b = replace(b, metrics_polls=b.metrics_polls + 1, metrics_detail=eng.error)
     elif engine_ready or b.metrics_polls:
@@ -131,7 +131,7 @@ def progress_mark(snap: Snapshot) -> tuple[float | None, float | None, float | N
     prefill finishes, so a long chunked prefill moves neither token counter; it
     does allocate KV blocks chunk by chunk, so KV usage moves. Any of the three
     moving is progress. None: /metrics said nothing this poll (not "no progress")."""
-    eng = snap.engine
+    eng = snap.metrics
     if eng.error is not None or eng.generation_tokens_total is None:
         return None
     return (eng.generation_tokens_total, eng.prompt_tokens_total, eng.kv_usage)
@@ -151,7 +151,7 @@ def _advance_progress(snap: Snapshot, w: WatchState, now: float) -> WatchState:
     return w
 
 
-def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[WatchState, Verdict | None]:
+def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[WatchState, RestartVerdict | None]:
     """Only called while the engine is READY. Returns the new counters and a restart verdict."""
     wd = cfg.watchdog
     if w.ready_at is None:
@@ -165,17 +165,17 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
 
     # Dead: refused for K polls, or a 503 (vLLM's answer after EngineDeadError).
     if health.status is HealthStatus.HTTP and health.http_status == 503:
-        return w, Verdict(RestartReason.DEAD, "/health answered 503", drain=False)
+        return w, RestartVerdict(RestartReason.DEAD, "/health answered 503", drain=False)
     w = replace(w, refused_polls=w.refused_polls + 1 if health.status is HealthStatus.REFUSED else 0)
     if w.refused_polls >= wd.dead_refused_polls:
-        return w, Verdict(RestartReason.DEAD, f"/health refused for {w.refused_polls} polls", drain=False)
+        return w, RestartVerdict(RestartReason.DEAD, f"/health refused for {w.refused_polls} polls", drain=False)
 
     # Hung: /health timing out for T seconds.
     w = replace(w, timeout_since=_held_since(w.timeout_since, health.status is HealthStatus.TIMEOUT, now))
     if w.timeout_since is not None and now - w.timeout_since >= wd.hang_timeout:
-        return w, Verdict(RestartReason.HUNG, f"/health timed out for {now - w.timeout_since:.0f} s", drain=False)
+        return w, RestartVerdict(RestartReason.HUNG, f"/health timed out for {now - w.timeout_since:.0f} s", drain=False)
 
-    eng = snap.engine
+    eng = snap.metrics
     running = eng.error is None and (eng.running or 0) > 0
     # Frozen engine, seen by the GPU: requests running while the GPU computes nothing.
     act = gpu_activity(snap, cfg)
@@ -183,14 +183,14 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
     w = replace(w, gpu_idle_since=_held_since(w.gpu_idle_since, running and act.busy is False, now))
     if w.gpu_idle_since is not None and now - w.gpu_idle_since >= wd.gpu_idle_stall_seconds:
         idle_s = now - w.gpu_idle_since
-        return w, Verdict(RestartReason.GPU_IDLE, f"{eng.running:.0f} running and the GPU idle (0% busy) for {idle_s:.1f} s", drain=False)
+        return w, RestartVerdict(RestartReason.GPU_IDLE, f"{eng.running:.0f} running and the GPU idle (0% busy) for {idle_s:.1f} s", drain=False)
 
     # Frozen engine, passive: requests running and nothing moving for S seconds. A busy
     # GPU is progress too (a long prefill moves no counter) but only up to the busy cap.
     quiet = now - w.progress_at
     if running and quiet >= wd.stall_seconds and not _gpu_working(w, wd, quiet):
         busy = " while the GPU read busy (over the busy cap)" if w.gpu_busy else ""
-        return w, Verdict(RestartReason.STALLED, f"{eng.running:.0f} running, no progress (tokens or KV blocks) for {quiet:.0f} s{busy}", drain=False)
+        return w, RestartVerdict(RestartReason.STALLED, f"{eng.running:.0f} running, no progress (tokens or KV blocks) for {quiet:.0f} s{busy}", drain=False)
 
     # Frozen engine, active: the probe's consecutive failures.
     inf = snap.inference
@@ -204,7 +204,7 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
         else:
             w = replace(w, probe_failures=w.probe_failures + 1, probe_due_at=inf.finished_at)  # retry at once
             if w.probe_failures >= wd.probe_failures:
-                return w, Verdict(RestartReason.STALLED, f"{w.probe_failures} inference probes failed with nothing moving ({inf.detail})", drain=False)
+                return w, RestartVerdict(RestartReason.STALLED, f"{w.probe_failures} inference probes failed with nothing moving ({inf.detail})", drain=False)
 
     # KV cache: low free blocks for K consecutive polls.
     if eng.free_blocks is not None and eng.free_blocks < wd.min_free_blocks:
@@ -216,7 +216,7 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
             cooling = now - w.ready_at < wd.kv_cooldown
             if (leak or wd.kv_restart_under_load) and not cooling:
                 kind = "leak" if leak else "threshold"
-                return w, Verdict(RestartReason.KV, f"{eng.free_blocks:.0f} free blocks < {wd.min_free_blocks} for {w.kv_low_polls} polls ({kind})", drain=True)
+                return w, RestartVerdict(RestartReason.KV, f"{eng.free_blocks:.0f} free blocks < {wd.min_free_blocks} for {w.kv_low_polls} polls ({kind})", drain=True)
             w = replace(w, kv_load=not leak)
     elif eng.free_blocks is not None:
         w = replace(w, kv_low_polls=0, kv_low_since=None, kv_load=False)
@@ -229,7 +229,7 @@ def _gpu_working(w: WatchState, wd, quiet: float) -> bool:
 
 def _kv_leak(snap: Snapshot, w: WatchState) -> bool:
     """Leak: blocks held with nothing running, or no progress since the shortage began."""
-    eng = snap.engine
+    eng = snap.metrics
     idle = (eng.kv_usage or 0) > 0 and (eng.running or 0) == 0 and (eng.waiting or 0) == 0
     no_progress = w.kv_low_since is not None and w.progress_at is not None and w.progress_at <= w.kv_low_since
     return idle or no_progress
@@ -249,7 +249,7 @@ def probe_due(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> bool:
 
 
 def _track_preemptions(snap: Snapshot, w: WatchState, now: float) -> WatchState:
-    total = snap.engine.preemptions_total
+    total = snap.metrics.preemptions_total
     if total is None:
         return w
     points = tuple(p for p in w.preemptions if now - p[0] <= 300.0) + ((now, total),)
@@ -353,7 +353,7 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
     if life.phase is Phase.READY:
         rate = preemption_rate(w)
         rate_text = f", {rate:.1f} preemptions/min" if rate is not None else ""
-        eng = snap.engine
+        eng = snap.metrics
         counts = f"{eng.free_blocks or 0:.0f} free blocks, {eng.running or 0:.0f} running, {eng.waiting or 0:.0f} waiting"
         out.append(Condition("kv_pressure", w.kv_load, Severity.WARNING, f"KV cache full under load: {counts}{rate_text}" if w.kv_load else f"KV cache has room again: {counts}"))
     backoff = life.phase is Phase.BACKOFF and (life.backoff_remaining or 0) > 0

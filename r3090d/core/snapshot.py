@@ -151,7 +151,7 @@ class HealthSample:
 
 
 @dataclass(frozen=True)
-class EngineSample:
+class MetricsSample:
     """What vLLM's /metrics says about the served model. Counters are cumulative.
 
     With several data-parallel engines (`engine` label), the queue and token
@@ -224,7 +224,7 @@ class Snapshot:
     wall: float  # time.time(), for records only
     child: ChildSample
     health: HealthSample
-    engine: EngineSample
+    metrics: MetricsSample  # /metrics; the engine's process is `child`
     gpu: GpuSample
     inference: InferenceProbeSample = field(default_factory=InferenceProbeSample)
     shutdown_requested: bool = False

@@ -348,7 +348,7 @@ def _draining(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: flo
         return _gone_cold(s, snap, now)
     if now < s.stage_since + grace:
         return _stay(s)  # /healthz already says 503: the load balancer is taking the node out
-    eng = snap.engine
+    eng = snap.metrics
     busy = 0 if eng.error is None and eng.running is not None else None
     if busy is not None:
         busy = round((eng.running or 0) + (eng.waiting or 0))

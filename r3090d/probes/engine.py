@@ -1,7 +1,7 @@
 """The engine probe: vLLM's /health and /metrics over HTTP, and a pure parse of /metrics.
 
 `parse` is pure and is the boundary for untrusted text: whatever it is given, it
-returns an EngineSample and never raises. The fetchers are thin I/O around
+returns an MetricsSample and never raises. The fetchers are thin I/O around
 requests; an expected failure (refused, timeout, HTTP error, oversized body) is a
 field or an error string, never an exception.
 
@@ -30,7 +30,7 @@ import requests
 import urllib3.exceptions
 from prometheus_client.parser import text_string_to_metric_families
 
-from r3090d.core.snapshot import EngineSample, HealthSample, HealthStatus
+from r3090d.core.snapshot import HealthSample, HealthStatus, MetricsSample
 from r3090d.probes.http import engine_session
 
 MAX_METRICS_BYTES = 8 * 1024 * 1024
@@ -98,7 +98,7 @@ def _short(text: str, limit: int = _MAX_DETAIL) -> str:
 # ------------------------------------------------------------------------- parse
 
 
-def parse(text: str, model_name: str) -> EngineSample:
+def parse(text: str, model_name: str) -> MetricsSample:
     """Read the served model's KV cache, queue and token counters from /metrics text.
 
     Only series whose `model_name` label equals `model_name` count; with an empty
@@ -119,30 +119,30 @@ def parse(text: str, model_name: str) -> EngineSample:
     try:
         return _parse(text, model_name)
     except Exception as exc:  # noqa: BLE001 - the boundary for untrusted text: never raise
-        return EngineSample(error=_short(f"metrics parse failed: {type(exc).__name__}: {exc}"))
+        return MetricsSample(error=_short(f"metrics parse failed: {type(exc).__name__}: {exc}"))
 
 
-def _parse(text: str, model_name: str) -> EngineSample:
+def _parse(text: str, model_name: str) -> MetricsSample:
     if not isinstance(text, str):
-        return EngineSample(error=f"metrics text is {type(text).__name__}, not str")
+        return MetricsSample(error=f"metrics text is {type(text).__name__}, not str")
     if len(text) > MAX_TEXT_CHARS:
-        return EngineSample(error=f"metrics text too large: {len(text)} chars (limit {MAX_TEXT_CHARS})")
+        return MetricsSample(error=f"metrics text too large: {len(text)} chars (limit {MAX_TEXT_CHARS})")
     if not text.strip():
-        return EngineSample(error="metrics text is empty")
+        return MetricsSample(error="metrics text is empty")
     # The exposition format ends every line, the last included, with a newline, so
     # a body without one was cut off mid-line.
     if not text.endswith("\n"):
-        return EngineSample(error="metrics text truncated: the last line has no newline")
+        return MetricsSample(error="metrics text truncated: the last line has no newline")
 
     lines = _WANTED_LINE.findall(text)
     if first := _WANTED_FIRST_LINE.match(text):
         lines.insert(0, first.groups())
     if not lines:
         if "vllm:" not in text:
-            return EngineSample(
+            return MetricsSample(
                 error="no vllm: metrics in the text (not vLLM, or started with --disable-log-stats)"
             )
-        return EngineSample(error="none of the watched vllm: metrics are in the text")
+        return MetricsSample(error="none of the watched vllm: metrics are in the text")
 
     series: Series = {}
     configs: dict[Labels, None] = {}  # an ordered set: the first of each distinct block first
@@ -158,11 +158,11 @@ def _parse(text: str, model_name: str) -> EngineSample:
                 # The same name and labels again: the last line wins, as on a Prometheus scrape.
                 series.setdefault(name, {})[key] = value
     except ValueError as exc:
-        return EngineSample(error=_short(f"malformed metrics line: {exc}"))
+        return MetricsSample(error=_short(f"malformed metrics line: {exc}"))
 
     chosen = _series_of_model(series, model_name)
     if isinstance(chosen, str):
-        return EngineSample(error=chosen)
+        return MetricsSample(error=chosen)
     return _build_sample(chosen, list(configs), model_name)
 
 
@@ -337,7 +337,7 @@ def _int_label(config: Labels, key: str) -> int | None:
     return int(number) if math.isfinite(number) and number.is_integer() else None
 
 
-def _build_sample(chosen: Series, configs: list[Labels], model_name: str) -> EngineSample:
+def _build_sample(chosen: Series, configs: list[Labels], model_name: str) -> MetricsSample:
     engine_labels = {_label(labels, "engine") for rows in chosen.values() for labels in rows}
     cache_configs = _CacheConfigs.of(configs, engine_labels, model_name)
     per_engine = [
@@ -356,7 +356,7 @@ def _build_sample(chosen: Series, configs: list[Labels], model_name: str) -> Eng
     error = None
     if kv_usage is None:
         error = f"no KV-cache usage gauge ({KV_USAGE} or {KV_USAGE_OLD}) for model_name={model_name!r}"
-    return EngineSample(
+    return MetricsSample(
         error=error,
         kv_usage=kv_usage,
         num_gpu_blocks=_int_label(cache_config, "num_gpu_blocks"),
@@ -546,11 +546,11 @@ class EngineProbe:
     def health(self) -> HealthSample:
         return probe_health(self._session, self.base_url, self.health_timeout)
 
-    def metrics(self) -> tuple[EngineSample, str | None]:
+    def metrics(self) -> tuple[MetricsSample, str | None]:
         """The parsed sample and the raw text (None when the fetch failed)."""
         text, error = fetch_metrics(self._session, self.base_url, self.metrics_timeout, self.max_bytes)
         if text is None:
-            return EngineSample(error=error), None
+            return MetricsSample(error=error), None
         return parse(text, self.model_name), text
 
     def close(self) -> None:

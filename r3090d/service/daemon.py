@@ -32,9 +32,10 @@ from r3090d.service import commands, forensics, safedir
 from r3090d.service.control import start_plane
 from r3090d.service.exporter import TickStats
 from r3090d.service.preflight_runner import PreflightRunner
-from r3090d.service.report import DaemonIdentity, report, status_line
+from r3090d.service.report import report, status_line
 from r3090d.service.sampling import Sampler
 from r3090d.service.state import STATE_FILE, book_from_json, read_json, wall_offset, write_json_atomic
+from r3090d.service.statedoc import DaemonIdentity, PreflightSummary
 from r3090d.service.suspend import SuspendService
 
 log = logging.getLogger("r3090d")
@@ -69,7 +70,7 @@ class Daemon:
         self.last_restart_record: Path | None = None
         self.pending = commands.Pending()  # control-plane requests for the next decide()
         self.shutdown = False
-        self.preflight_summary: dict | None = None
+        self.preflight_summary: PreflightSummary | None = None
         # Control-plane requests: (request dict, reply callable), handled in the loop
         # so that every change of state happens in one thread.
         self.control_queue: queue.SimpleQueue = queue.SimpleQueue()

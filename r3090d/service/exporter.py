@@ -2,7 +2,7 @@
 
 `/metrics` is prometheus_client's exposition of a custom collector: collect()
 builds every r3090d family from the latest state document (read through
-report.parse, into the types the daemon wrote it from), so a scrape never
+statedoc.parse, into the types the daemon wrote it from), so a scrape never
 touches the engine, NVML or the loop; prometheus_client's ProcessCollector adds
 the daemon's own CPU, memory and file descriptors. Points in time are Unix
 timestamps (`*_timestamp_seconds`), so a rule computes ages with time() and a
@@ -35,7 +35,7 @@ from prometheus_client.exposition import choose_encoder
 from r3090d.core.snapshot import CLOCK_EVENT_REASONS, GpuSample, GpuStatus, HealthStatus
 from r3090d.core.vocabulary import Phase, RestartReason
 from r3090d.service.httpserver import HttpReply, HttpRequest, _HttpServer, text_reply
-from r3090d.service.report import StateDocument, view
+from r3090d.service.statedoc import StateDocument, view
 
 log = logging.getLogger("r3090d.service.exporter")
 

@@ -20,8 +20,9 @@ from r3090d.core.actions import SendAlert
 from r3090d.core.snapshot import GpuStatus
 from r3090d.core.vocabulary import AlertState, Severity
 from r3090d.preflight import checks, gather
-from r3090d.service.report import DaemonIdentity
-from r3090d.service.state import plain, read_json, write_json_atomic
+from r3090d.service.report import preflight_report
+from r3090d.service.state import read_json, write_json_atomic
+from r3090d.service.statedoc import DaemonIdentity, PreflightSummary, UnreadableFormat, parse
 
 log = logging.getLogger("r3090d")
 
@@ -36,7 +37,7 @@ class PreflightRunner:
         self.notifier = notifier
         self.alerts = alerts
         self.wait = wait  # sleeps up to N s, handling signals; True when a shutdown was asked for
-        self.summary: dict | None = None
+        self.summary: PreflightSummary | None = None
 
     def run(self) -> int | None:
         """None to go on and start the engine, else the exit code."""
@@ -66,7 +67,7 @@ class PreflightRunner:
         if gpu is not None and gpu.status is GpuStatus.PENDING:
             gpu = None  # no reading from the worker yet: take one of its own
         results = gather.run(self.cfg, (), gpu=gpu)
-        self.summary = {"exit_code": checks.exit_code(results), "checks": [plain(r) for r in results], "at": time.time()}
+        self.summary = PreflightSummary(exit_code=checks.exit_code(results), checks=tuple(results), at=time.time())
         for r in results:
             if r.status in (checks.Status.WARN, checks.Status.FAIL):
                 log.warning("preflight %s %s: %s (expected %s)%s", r.name, r.status.value.upper(), r.measured, r.expected, f"; {r.hint}" if r.hint else "")
@@ -83,23 +84,12 @@ class PreflightRunner:
     def _write(self, waiting: str | None = None) -> None:
         """Leave the verdict where `r3090ctl status` looks, though the loop has not run:
         what preflight waits for (re-written at each re-check), or why it failed."""
-        doc = read_json(self.state_path) or {}
-        doc.update({"written_at": time.time(), "preflight": self.summary})
-        doc.setdefault("engine", {})["phase"] = "stopped"
-        doc["engine"]["state"] = "stopped"
-        doc["daemon"] = {
-            "pid": self.identity.pid,
-            "started_at": self.identity.started_at,
-            "version": self.identity.version,
-            "instance": self.cfg.instance,
-            "config": self.cfg.source,
-            # the document is re-written at each re-check: that is its freshness
-            "poll_interval": self.cfg.preflight.transient_retry_s,
-        }
-        doc["waiting"] = {"for": waiting, "since": (doc.get("waiting") or {}).get("since") or time.time()} if waiting else None
-        failed = [c["name"] for c in self.summary["checks"] if c["status"] == "fail"]
-        doc["give_up_reason"] = None if waiting else "preflight failed: " + "; ".join(failed)
         try:
-            write_json_atomic(self.state_path, doc)
+            previous = parse(read_json(self.state_path) or {})
+        except UnreadableFormat:
+            previous = None  # a newer daemon's document: its alert book cannot be read either
+        doc = preflight_report(previous, self.cfg, identity=self.identity, summary=self.summary, waiting=waiting, written_at=time.time())
+        try:
+            write_json_atomic(self.state_path, doc.to_json())
         except OSError as exc:
             log.error("cannot write %s: %s", self.state_path, exc)

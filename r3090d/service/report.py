@@ -1,457 +1,40 @@
-"""The state document: what the daemon publishes each tick, built by one pure function.
+"""The state document, built by pure functions: `report()` each tick, `preflight_report()` before the loop.
 
-`report()` turns the policy's state and the tick's snapshot into a StateDocument;
-the daemon writes it to state.json and answers `r3090ctl status` with it, and
-the exporter and /healthz read it. Times in it are wall-clock (Unix) seconds:
-the policy's monotonic times are shifted by `offset`.
-
-Readers (the exporter, /healthz, `r3090ctl status`, `restart --wait`) read it
-through `parse()`, into the same types: it fills in what a partial document
-(written by preflight before the loop runs) or an older daemon's lacks, and
-refuses only a format it cannot read.
-
-FORMAT_VERSION grows when a field changes meaning or goes away. A reader accepts
-every version in READABLE_FORMATS; after an upgrade, a daemon started before it
-keeps writing its own (older) format until it is restarted.
+`report()` turns the policy's state and the tick's snapshot into a StateDocument
+(service/statedoc.py); the policy's monotonic times are shifted to wall-clock
+ones by `offset`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import functools
-import math
-import types
-import typing
-from dataclasses import dataclass, field
 
 from r3090d.config import MIB, Config
-from r3090d.core.alerting import AlertBook, AlertEntry
+from r3090d.core.alerting import AlertBook
 from r3090d.core.policy import PolicyState
-from r3090d.core.snapshot import EngineSample, GpuSample, HealthSample, Snapshot
-from r3090d.core.suspension import HOW_TO_RESUME, Result, Stage
-from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, Severity
-from r3090d.preflight.checks import CheckResult
+from r3090d.core.snapshot import Snapshot
+from r3090d.core.suspension import HOW_TO_RESUME, Stage
+from r3090d.core.vocabulary import SUSPEND_PHASES, Phase
+from r3090d.preflight.checks import Status
 from r3090d.service.state import BOOK_TIME_FIELDS
-
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)  # 1: before give-up kept the daemon up (no restarts.start_failures, no thresholds)
-
-
-class UnreadableFormat(ValueError):
-    """A state document this r3090ctl cannot read: written by a newer daemon, or not a document at all."""
-
-
-def check_format(doc: dict) -> dict:
-    """The document itself if this version of r3090d can read it."""
-    version = doc.get("format", 1)
-    # bool is an int to Python, and True == 1: a JSON `true` is no format number.
-    if not isinstance(version, int) or isinstance(version, bool) or version not in READABLE_FORMATS:
-        shown = version if isinstance(version, int) and not isinstance(version, bool) else repr(version)[:40]
-        raise UnreadableFormat(
-            f"the state was written in format {shown}, this r3090ctl reads {', '.join(map(str, READABLE_FORMATS))}: "
-            "restart the daemon (systemctl restart r3090d) or upgrade r3090ctl"
-        )
-    return doc
-
-
-# Field metadata. KEY: the document's key where it differs from the field's name
-# (a keyword such as "for"). DERIVED: filled in by parse() only and never written,
-# so the document keeps its shape.
-KEY = "r3090d.key"
-DERIVED = "r3090d.derived"
-
-# Every field has a default, so that parse() can fill in what a partial document
-# (the one preflight writes before the loop runs) or an older daemon's lacks.
-
-
-@dataclass(frozen=True)
-class DaemonIdentity:
-    """What does not change between ticks."""
-
-    pid: int
-    started_at: float
-    version: str
-    host: str
-
-
-@dataclass(frozen=True)
-class DaemonInfo:
-    pid: int | None = None
-    started_at: float | None = None
-    version: str = ""
-    instance: int | None = None
-    config: str = ""
-    host: str = ""
-    tick_seconds: float | None = None
-    poll_interval: float | None = None
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    state: str = ""  # the phase, or "maintenance" while maintenance holds a ready engine
-    phase: Phase | None = None  # None: absent, or a phase this r3090d does not know (phase_text has it)
-    maintenance: bool = False
-    since: float | None = None
-    pid: int | None = None
-    tree_pids: list[int] = field(default_factory=list)
-    model: str = ""
-    url: str = ""
-    ready_since: float | None = None
-    generation: int | None = None  # None: not in the document
-    # The phase as written: a newer daemon's phase is named to the operator, not dropped.
-    phase_text: str | None = field(default=None, metadata={KEY: "phase", DERIVED: True})
-
-    @property
-    def phase_name(self) -> str:
-        """The phase's text for people; "unknown" when the document has none."""
-        return self.phase.value if self.phase is not None else (self.phase_text or "unknown")
-
-
-@dataclass(frozen=True)
-class RestartsInfo:
-    total: int = 0
-    by_reason: dict[str, int] = field(default_factory=dict)
-    last_reason: str | None = None
-    last_at: float | None = None
-    last_root_cause: str | None = None
-    backoff_level: int | None = None  # None: not in the document (the exporter leaves its gauge out)
-    start_failures: int = 0
-    recent: int = 0  # unrequested restarts within watchdog.restart_storm_window
-
-
-@dataclass(frozen=True)
-class ProbeInfo:
-    ok: bool | None = None
-    latency_s: float | None = None
-    finished_at: float | None = None
-    detail: str = ""
-    consecutive_failures: int = 0
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    # None: an older daemon's document, which has no thresholds
-    gpu_memory_alert_bytes: int | None = None
-    kv_min_free_blocks: int | None = None
-
-
-@dataclass(frozen=True)
-class FiringAlert:
-    severity: Severity = Severity.WARNING
-    summary: str = ""
-    since: float | None = None
-
-
-@dataclass(frozen=True)
-class AlertsInfo:
-    firing: dict[str, FiringAlert] = field(default_factory=dict)
-    silenced: dict[str, float] = field(default_factory=dict)  # key -> until (wall)
-
-    def active_silences(self, now: float) -> dict[str, float]:
-        return {k: until for k, until in self.silenced.items() if until > now}
-
-
-@dataclass(frozen=True)
-class AlertBookInfo:
-    """The policy's alert book, its times in wall-clock seconds: a restarted daemon rebuilds its book from it."""
-
-    entries: dict[str, AlertEntry] = field(default_factory=dict)
-    silenced: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class WatchInfo:
-    gpu_signal_off: str | None = None  # why the GPU's signals are not used to find freezes (None: they are)
-
-
-@dataclass(frozen=True)
-class WaitingInfo:
-    """Written by preflight while it waits for something transient, before the loop runs."""
-
-    what: str | None = field(default=None, metadata={KEY: "for"})
-    since: float | None = None
-
-
-@dataclass(frozen=True)
-class PreflightSummary:
-    exit_code: int | None = None
-    checks: tuple[CheckResult, ...] = ()
-    at: float | None = None
-
-
-@dataclass(frozen=True)
-class Histogram:
-    buckets: tuple[tuple[float, int], ...] = ()  # (upper bound, cumulative count)
-    count: int = 0
-    sum: float = 0.0
-
-
-@dataclass(frozen=True)
-class Telemetry:
-    poll_duration_seconds: Histogram | None = None
-    xid_errors_total: int = 0
-
-
-# A suspension stands in these stages: the engine's GPU memory is in its host memory (or, cold, there is no
-# engine), and a resume has not got past its room check (a refused one changes nothing). As suspended_long counts.
-STANDING_STAGES = (Stage.SUSPENDED, Stage.CHECKING)
-DONE_RESULTS = (Result.SUSPENDED, Result.RESUMED, Result.STARTED_COLD)  # the request did what was asked
-
-
-@dataclass(frozen=True)
-class LastRequest:
-    """How the operator's last suspend or resume ended."""
-
-    request: int = 0
-    op: str = ""  # "suspend" | "resume"
-    result: Result | None = None  # None: a result this r3090d does not know
-    detail: str = ""
-    at: float | None = None
-
-    @property
-    def failed(self) -> bool:
-        return self.result not in DONE_RESULTS
-
-
-@dataclass(frozen=True)
-class WorkerStep:
-    step: str = ""  # a checkpoint.Step value
-    ok: bool = False
-    took_s: float = 0.0
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """The suspend worker's latest operation, with the driver's own step timings."""
-
-    op: str | None = None
-    pid: int | None = None
-    in_flight: bool = False
-    overdue: bool = False
-    step: str | None = None
-    steps: tuple[WorkerStep, ...] = ()
-    outcome: str | None = None
-    state: str | None = None
-    error: str = ""
-    duration_s: float | None = None
-
-
-@dataclass(frozen=True)
-class SuspendInfo:
-    """What status shows of a suspension, the exporter's suspended gauges, and what suspend --wait follows."""
-
-    stage: Stage | None = None  # None: no suspension
-    since: float | None = None  # when the engine became suspended
-    cold: bool = False  # no engine process behind the suspension: resume starts a new one
-    pid: int | None = None  # the checkpointed process
-    gpu_bytes: int = 0  # GPU memory it held: what resuming needs free (plus the margin)
-    host_rss_bytes: int | None = None  # its resident host memory now (grown by gpu_bytes); None: unmeasured
-    frozen_requests: int = 0  # requests frozen with the engine at the drain deadline
-    error: str = ""  # the last refusal or failure, one line
-    how_to_resume: str | None = None
-    last: LastRequest | None = None
-    worker: WorkerInfo | None = None
-    remind_after_s: float = 0.0  # the suspended_long alert's delay (suspend.remind_after)
-
-    @property
-    def standing(self) -> bool:
-        return self.stage in STANDING_STAGES
-
-
-@dataclass(frozen=True)
-class StateDocument:
-    written_at: float | None = None
-    daemon: DaemonInfo = field(default_factory=DaemonInfo)
-    engine: EngineInfo = field(default_factory=EngineInfo)
-    restarts: RestartsInfo = field(default_factory=RestartsInfo)
-    next_action: str | None = None
-    watch: WatchInfo = field(default_factory=WatchInfo)
-    give_up_reason: str | None = None
-    xid_seen: list[int] = field(default_factory=list)
-    health: HealthSample | None = None
-    inference: ProbeInfo = field(default_factory=ProbeInfo)
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    metrics: EngineSample = field(default_factory=EngineSample)
-    gpu: GpuSample | None = None
-    alerts: AlertsInfo = field(default_factory=AlertsInfo)
-    alert_book: AlertBookInfo = field(default_factory=AlertBookInfo)
-    preflight: PreflightSummary | None = None
-    telemetry: Telemetry = field(default_factory=Telemetry)
-    format: int = FORMAT_VERSION
-    waiting: WaitingInfo | None = None
-    suspend: SuspendInfo | None = None  # None: written by preflight, or by a daemon without suspend
-
-    def to_json(self) -> dict:
-        return _to_json(self)
-
-
-# ------------------------------------------------------------------ reading
-
-T = typing.TypeVar("T")
-
-
-def parse(doc: dict) -> StateDocument:
-    """The typed view of a state document: from the daemon, its state file, or preflight's partial one.
-
-    Unknown keys are ignored; a missing or malformed section or field takes its
-    default (a section of a type that needs a value it lacks becomes None), and
-    a phase this version does not know leaves `engine.phase` None with its text
-    in `engine.phase_text`. Raises UnreadableFormat, and nothing else, for a
-    newer format or something that is not a JSON object.
-    """
-    if not isinstance(doc, dict):
-        raise UnreadableFormat(f"the state is a JSON {type(doc).__name__}, not an object: the file is damaged; restart the daemon to rewrite it")
-    check_format(doc)
-    parsed = _converter(StateDocument)(doc)
-    assert isinstance(parsed, StateDocument)  # every field has a default: building cannot fail
-    return dataclasses.replace(parsed, format=doc.get("format", 1))
-
-
-def view(doc: StateDocument | dict | None) -> StateDocument | None:
-    """A document as readers want it: parsed when given the published dict; None (or an empty dict) is none yet."""
-    if isinstance(doc, StateDocument):
-        return doc
-    return parse(doc) if doc else None
-
-
-def parse_section(cls: type[T], raw) -> T | None:
-    """One section (any of the dataclasses above, or a sample it holds) from JSON data; None when unusable."""
-    built = _converter(cls)(raw)
-    return None if built is _BAD else built
-
-
-_BAD = object()  # a value that does not fit its field
-
-
-@functools.cache
-def _converter(tp) -> typing.Callable:
-    """A function from JSON data to a value of type tp, or _BAD when it does not fit: built once per type.
-
-    Containers keep the items that fit and drop the others; a dataclass takes the
-    default of each field that is missing or does not fit, and is _BAD only when
-    a field without a default is.
-    """
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is types.UnionType or origin is typing.Union:
-        nullable = type(None) in args
-        choices = tuple(_converter(a) for a in args if a is not type(None))
-
-        def union(raw):
-            if raw is None:
-                return None if nullable else _BAD
-            for choice in choices:
-                value = choice(raw)
-                if value is not _BAD:
-                    return value
-            return _BAD
-
-        return union
-    if origin is dict:
-        key_of, value_of = _converter(args[0]), _converter(args[1])
-
-        def mapping(raw):
-            if not isinstance(raw, dict):
-                return _BAD
-            pairs = ((key_of(k), value_of(v)) for k, v in raw.items())
-            return {k: v for k, v in pairs if k is not _BAD and v is not _BAD}
-
-        return mapping
-    if origin is tuple and args[-1] is not Ellipsis:  # fixed length: (upper, count), (major, minor)
-        members = tuple(_converter(a) for a in args)
-
-        def record(raw):
-            if not isinstance(raw, list | tuple) or len(raw) != len(members):
-                return _BAD
-            items = tuple(member(r) for member, r in zip(members, raw, strict=True))
-            return _BAD if any(v is _BAD for v in items) else items
-
-        return record
-    if origin is list or origin is tuple:
-        item_of, make = _converter(args[0]), origin
-
-        def sequence(raw):
-            if not isinstance(raw, list | tuple):
-                return _BAD
-            return make(v for v in map(item_of, raw) if v is not _BAD)
-
-        return sequence
-    if tp is bool:
-        return lambda raw: raw if isinstance(raw, bool) else _BAD
-    if tp is int:
-        return _integer
-    if tp is float:
-        return _real
-    if tp is str:
-        return lambda raw: raw if isinstance(raw, str) else _BAD
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        members = {m.value: m for m in tp}  # every enum in the document is str-valued
-
-        return lambda raw: members.get(raw, _BAD) if isinstance(raw, str) else _BAD
-    if dataclasses.is_dataclass(tp):
-        return _dataclass_converter(tp)
-    raise TypeError(f"no reader for {tp!r} in the state document")  # a programming error, found at import
-
-
-def _dataclass_converter(cls: type) -> typing.Callable:
-    hints = typing.get_type_hints(cls)
-    plan = []  # (field name, document key, converter, required)
-    for f in dataclasses.fields(cls):
-        if f.init:
-            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            plan.append((f.name, f.metadata.get(KEY, f.name), _converter(hints[f.name]), required))
-
-    def build(raw):
-        if not isinstance(raw, dict):
-            return _BAD
-        values = {}
-        for name, key, convert, required in plan:
-            value = convert(raw[key]) if key in raw else _BAD
-            if value is not _BAD:
-                values[name] = value
-            elif required:
-                return _BAD
-        return cls(**values)
-
-    return build
-
-
-def _integer(raw):
-    if isinstance(raw, float) and raw.is_integer():
-        return int(raw)
-    return raw if isinstance(raw, int) and not isinstance(raw, bool) else _BAD
-
-
-def _real(raw):
-    if isinstance(raw, bool) or not isinstance(raw, int | float):
-        return _BAD
-    try:
-        value = float(raw)
-    except OverflowError:  # an int past float's range
-        return _BAD
-    return value if math.isfinite(value) else _BAD
-
-
-_converter(StateDocument)  # at import: a field of a type with no reader fails here, not in a reader
-
-
-def _to_json(value):
-    """JSON-ready data: dataclasses as objects under their document keys (DERIVED fields left out), enums as their values."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
-            f.metadata.get(KEY, f.name): _to_json(getattr(value, f.name))
-            for f in dataclasses.fields(value)
-            if not f.metadata.get(DERIVED)
-        }
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, dict):
-        return {str(_to_json(k)): _to_json(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_to_json(v) for v in value]
-    return value
+from r3090d.service.statedoc import (
+    AlertBookInfo,
+    AlertsInfo,
+    DaemonIdentity,
+    DaemonInfo,
+    EngineInfo,
+    FiringAlert,
+    PreflightSummary,
+    ProbeInfo,
+    RestartsInfo,
+    StateDocument,
+    SuspendInfo,
+    Telemetry,
+    Thresholds,
+    WaitingInfo,
+    WatchInfo,
+    parse_section,
+)
 
 
 def report(
@@ -463,7 +46,7 @@ def report(
     offset: float,
     written_at: float,
     tick_s: float,
-    preflight: dict | None,
+    preflight: PreflightSummary | None,
     telemetry: dict,
     suspend: SuspendInfo | None = None,
 ) -> StateDocument:
@@ -514,13 +97,49 @@ def report(
         health=snap.health,
         inference=probe_info(snap, offset),
         thresholds=Thresholds(cfg.watchdog.gpu_memory_alert_mib * MIB, cfg.watchdog.min_free_blocks),
-        metrics=snap.engine,
+        metrics=snap.metrics,
         gpu=snap.gpu,
         alerts=AlertsInfo(firing, {k: u + offset for k, u in st.alerts.silenced}),
         alert_book=book_info(st.alerts, offset),
-        preflight=None if preflight is None else parse_section(PreflightSummary, preflight),
+        preflight=preflight,
         telemetry=parse_section(Telemetry, telemetry) or Telemetry(),
         suspend=suspend,
+    )
+
+
+def preflight_report(
+    previous: StateDocument | None,
+    cfg: Config,
+    *,
+    identity: DaemonIdentity,
+    summary: PreflightSummary,
+    waiting: str | None,
+    written_at: float,
+) -> StateDocument:
+    """The document preflight leaves before the loop's first tick: what it waits for, or why it failed.
+
+    No engine runs yet, so nothing an earlier daemon measured is repeated as current; only
+    its alert book is carried over, for the loop to go on from (Daemon.run reads it back).
+    `waiting` keeps its first `since` across re-checks.
+    """
+    earlier_wait = previous.waiting if previous is not None else None
+    failed = [c.name for c in summary.checks if c.status is Status.FAIL]
+    return StateDocument(
+        written_at=written_at,
+        daemon=DaemonInfo(
+            pid=identity.pid,
+            started_at=identity.started_at,
+            version=identity.version,
+            instance=cfg.instance,
+            config=cfg.source,
+            host=identity.host,
+            poll_interval=cfg.preflight.transient_retry_s,  # re-written at each re-check: that is its freshness
+        ),
+        engine=EngineInfo(state=Phase.STOPPED.value, phase=Phase.STOPPED, model=cfg.model_name, url=cfg.engine_url),
+        alert_book=previous.alert_book if previous is not None else AlertBookInfo(),
+        preflight=summary,
+        waiting=None if waiting is None else WaitingInfo(waiting, earlier_wait.since if earlier_wait and earlier_wait.since else written_at),
+        give_up_reason=None if waiting else "preflight failed: " + "; ".join(failed),
     )
 
 
@@ -555,7 +174,7 @@ def status_line(st: PolicyState, snap: Snapshot) -> str:
     if st.phase is Phase.GIVEN_UP:
         return f"gave up, engine stopped: {st.give_up_reason}"
     parts = [("maintenance " if st.maintenance else "") + st.phase.value]
-    e = snap.engine
+    e = snap.metrics
     if e.kv_usage is not None:
         parts.append(f"kv {e.kv_usage * 100:.0f}% ({e.free_blocks or 0:.0f} free blocks)")
     g = snap.gpu

@@ -13,7 +13,7 @@ import threading
 import time
 
 from r3090d.config import Config
-from r3090d.core.snapshot import EngineSample, GpuSample, GpuStatus, HealthSample, HealthStatus, Snapshot
+from r3090d.core.snapshot import GpuSample, GpuStatus, HealthSample, HealthStatus, MetricsSample, Snapshot
 from r3090d.core.vocabulary import SUSPEND_PHASES, Phase
 from r3090d.effectors.child import EngineProcess
 from r3090d.probes.engine import EngineProbe
@@ -44,14 +44,14 @@ class Sampler:
         now = time.monotonic()
         child = self.engine.sample()
         health = HealthSample(HealthStatus.SKIPPED)
-        engine = EngineSample()
+        metrics = MetricsSample()
         if probe is None:
             probe = phase in (Phase.STARTING, Phase.READY)
         if child.alive and probe:
             health = self.probe.health()
             # Not after a /health timeout: a hung server would hold the tick for metrics_timeout too.
             if health.status is not HealthStatus.TIMEOUT and (phase in (Phase.READY, Phase.SUSPENDING) or health.status is HealthStatus.OK):
-                engine, self.last_metrics_text = self.probe.metrics()
+                metrics, self.last_metrics_text = self.probe.metrics()
         restart, maintenance, silences = pending.take()
         suspend, resume = pending.take_suspend()
         gpu = self.gpu()
@@ -60,7 +60,7 @@ class Sampler:
             wall=time.time(),
             child=child,
             health=health,
-            engine=engine,
+            metrics=metrics,
             gpu=gpu,
             inference=self.prober.sample(),
             shutdown_requested=shutdown,

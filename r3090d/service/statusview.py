@@ -22,7 +22,7 @@ from r3090d import exitcodes
 from r3090d.core.snapshot import GpuSample, GpuStatus
 from r3090d.core.suspension import Stage
 from r3090d.core.vocabulary import Phase, Severity
-from r3090d.service.report import StateDocument, SuspendInfo, parse_section, view
+from r3090d.service.statedoc import StateDocument, SuspendInfo, parse_section, view
 from r3090d.units import GIB
 
 LABELS = {exitcodes.OK: "OK", exitcodes.WARNING: "WARNING", exitcodes.CRITICAL: "CRITICAL", exitcodes.UNKNOWN: "UNKNOWN"}
@@ -33,7 +33,7 @@ CRITICAL_PHASES = frozenset({Phase.STOPPED, Phase.GIVEN_UP, Phase.SHUTTING_DOWN}
 
 
 @dataclass(frozen=True)
-class Verdict:
+class HealthVerdict:
     code: int
     reasons: tuple[str, ...] = field(default_factory=tuple)
 
@@ -45,15 +45,15 @@ class Verdict:
         return f"{self.label}: {'; '.join(self.reasons)}" if self.reasons else self.label
 
 
-def evaluate(doc: StateDocument | dict | None, *, running: bool, now: float) -> Verdict:
+def verdict_of(doc: StateDocument | dict | None, *, running: bool, now: float) -> HealthVerdict:
     """The verdict on a document (a dict is parsed first, and may raise UnreadableFormat)."""
     if not running:
-        return Verdict(exitcodes.UNKNOWN, ("r3090d is not running",))
+        return HealthVerdict(exitcodes.UNKNOWN, ("r3090d is not running",))
     d = view(doc)
     if d is None:
-        return Verdict(exitcodes.WARNING, ("r3090d is starting (no state yet)",))
+        return HealthVerdict(exitcodes.WARNING, ("r3090d is starting (no state yet)",))
     if d.waiting is not None and d.waiting.what:
-        return Verdict(exitcodes.WARNING, (f"r3090d is waiting for preflight before starting the engine: {d.waiting.what}",))
+        return HealthVerdict(exitcodes.WARNING, (f"r3090d is waiting for preflight before starting the engine: {d.waiting.what}",))
     engine = d.engine
     crit: list[str] = []
     warn: list[str] = []
@@ -74,10 +74,10 @@ def evaluate(doc: StateDocument | dict | None, *, running: bool, now: float) -> 
             continue
         (crit if alert.severity == Severity.CRITICAL else warn).append(f"{key} firing")
     if crit:
-        return Verdict(exitcodes.CRITICAL, tuple(crit + warn))
+        return HealthVerdict(exitcodes.CRITICAL, tuple(crit + warn))
     if warn:
-        return Verdict(exitcodes.WARNING, tuple(warn))
-    return Verdict(exitcodes.OK, ("engine ready",))
+        return HealthVerdict(exitcodes.WARNING, tuple(warn))
+    return HealthVerdict(exitcodes.OK, ("engine ready",))
 
 
 # ------------------------------------------------------------------ formatting
@@ -110,7 +110,7 @@ def _num(v, fmt="{:.0f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def panel(doc: StateDocument | dict, verdict: Verdict, now: float, *, note: str | None = None) -> list[str]:
+def panel(doc: StateDocument | dict, verdict: HealthVerdict, now: float, *, note: str | None = None) -> list[str]:
     """The status panel as lines."""
     d = view(doc) or StateDocument()
     daemon, engine, metrics, restarts, alerts = d.daemon, d.engine, d.metrics, d.restarts, d.alerts

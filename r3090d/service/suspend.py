@@ -44,8 +44,8 @@ from r3090d.core.suspension import HOW_TO_RESUME, Result, Stage, SuspendResult
 from r3090d.core.vocabulary import SUSPEND_PHASES
 from r3090d.effectors.suspender import Suspender, SuspendSample
 from r3090d.effectors.suspender_worker import Command, Op
-from r3090d.service.report import STANDING_STAGES, LastRequest, SuspendInfo, WorkerInfo, WorkerStep
 from r3090d.service.state import read_json, write_json_atomic
+from r3090d.service.statedoc import STANDING_STAGES, LastRequest, SuspendInfo, WorkerInfo, WorkerStep
 
 log = logging.getLogger("r3090d")
 

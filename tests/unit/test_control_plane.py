@@ -91,25 +91,25 @@ def test_validate(request_, problem):
     ],
 )
 def test_status_verdicts(d, running, code, reason):
-    v = statusview.evaluate(d, running=running, now=NOW)
+    v = statusview.verdict_of(d, running=running, now=NOW)
     assert v.code == code
     assert any(reason in r for r in v.reasons), v.reasons
 
 
 def test_silenced_alert_is_shown_but_does_not_raise_the_code():
     d = doc(firing={"gpu_temperature": {"severity": "warning", "summary": "GPU at 88 C", "since": NOW - 30}}, silenced={"gpu_temperature": NOW + 600})
-    v = statusview.evaluate(d, running=True, now=NOW)
+    v = statusview.verdict_of(d, running=True, now=NOW)
     assert v.code == exitcodes.OK
     text = "\n".join(statusview.panel(d, v, NOW))
     assert "gpu_temperature (warning, 30 s) [silenced]: GPU at 88 C" in text
     assert "Silenced   gpu_temperature until" in text and "(10 min left)" in text
     # An expired silence no longer counts.
-    assert statusview.evaluate(d, running=True, now=NOW + 601).code == exitcodes.WARNING
+    assert statusview.verdict_of(d, running=True, now=NOW + 601).code == exitcodes.WARNING
 
 
 def test_panel_shows_every_field():
     d = doc()
-    text = "\n".join(statusview.panel(d, statusview.evaluate(d, running=True, now=NOW), NOW))
+    text = "\n".join(statusview.panel(d, statusview.verdict_of(d, running=True, now=NOW), NOW))
     for want in ("ready for 50 s, pid 42", "25% used, 3979 free blocks of 5306; running 3, waiting 1", "memory 21.0/24.0 GiB", "util 87%", "71 C", "301/350 W", "PCIe Gen4 x16", "Restarts   2 (kv 1, requested 1); last: kv, 60 s ago", "Status     OK"):
         assert want in text, (want, text)
 

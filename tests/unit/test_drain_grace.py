@@ -11,7 +11,7 @@ from r3090d import config
 from r3090d.core import policy
 from r3090d.core.actions import SendAlert, StartEngine, StopEngine
 from r3090d.core.policy import Phase
-from r3090d.core.snapshot import ChildSample, EngineSample
+from r3090d.core.snapshot import ChildSample, MetricsSample
 from tests.configs import bare_config
 from tests.snapshots import drive_to_ready, snap
 
@@ -55,17 +55,17 @@ def test_requested_drained_restart_holds_sigterm_for_lb_grace():
 def test_kv_leak_restart_is_drained_through_the_grace_too():
     c = cfg(lb_grace=3.0, min_free_blocks=100, kv_low_polls=2, kv_cooldown=0.0)
     st = ready(c)
-    leak = EngineSample(kv_usage=0.95, num_gpu_blocks=1000, free_blocks=50.0, running=0, waiting=0, generation_tokens_total=5.0)
+    leak = MetricsSample(kv_usage=0.95, num_gpu_blocks=1000, free_blocks=50.0, running=0, waiting=0, generation_tokens_total=5.0)
     now = 2.0
     while st.phase is Phase.READY:
-        acts, st = policy.decide(snap(now, engine=leak), st, c, now)
+        acts, st = policy.decide(snap(now, metrics=leak), st, c, now)
         now += 1.0
     t0 = now - 1.0
     assert st.phase is Phase.DRAINING and st.restart_reason == "kv"
     assert stops(acts) == []
-    acts, st = policy.decide(snap(t0 + 2.9, engine=leak), st, c, t0 + 2.9)
+    acts, st = policy.decide(snap(t0 + 2.9, metrics=leak), st, c, t0 + 2.9)
     assert stops(acts) == []
-    acts, st = policy.decide(snap(t0 + 3.0, engine=leak), st, c, t0 + 3.0)
+    acts, st = policy.decide(snap(t0 + 3.0, metrics=leak), st, c, t0 + 3.0)
     assert stops(acts) == [StopEngine(drain=True, reason="kv")]
 
 

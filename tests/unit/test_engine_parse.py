@@ -1,4 +1,4 @@
-"""parse(): /metrics text in, EngineSample out, on real vLLM captures and on bad input."""
+"""parse(): /metrics text in, MetricsSample out, on real vLLM captures and on bad input."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from r3090d.core.snapshot import EngineSample
+from r3090d.core.snapshot import MetricsSample
 from r3090d.probes import engine
 from r3090d.probes.engine import parse
 
@@ -280,7 +280,7 @@ def test_nan_kv_usage_is_not_a_number_we_use():
 )
 def test_bad_input_gives_an_error_sample(text, reason):
     sample = parse(text, MODEL)
-    assert isinstance(sample, EngineSample)
+    assert isinstance(sample, MetricsSample)
     assert sample.error is not None and reason in sample.error, sample.error
     assert sample.kv_usage is None and sample.free_blocks is None
 
@@ -362,7 +362,7 @@ metric_like_text = st.lists(structured_line | noisy_line, max_size=12).map(
 @given(st.text())
 def test_random_text_never_raises(text):
     sample = parse(text, MODEL)
-    assert isinstance(sample, EngineSample)
+    assert isinstance(sample, MetricsSample)
     assert "metrics parse failed" not in (sample.error or ""), sample.error
 
 
@@ -370,7 +370,7 @@ def test_random_text_never_raises(text):
 @given(metric_like_text | st.text(), st.sampled_from([MODEL, "", "x"]))
 def test_metric_like_text_never_raises(text, model):
     sample = parse(text, model)
-    assert isinstance(sample, EngineSample)
+    assert isinstance(sample, MetricsSample)
     # Bad text is handled on purpose; the catch-all at the boundary is only a safety net.
     assert "metrics parse failed" not in (sample.error or ""), sample.error
     if sample.error is None:

@@ -14,11 +14,11 @@ from r3090d.core.actions import Exit, RecordRestart, SendAlert, SendInferencePro
 from r3090d.core.policy import Phase
 from r3090d.core.snapshot import (
     ChildSample,
-    EngineSample,
     GpuProcess,
     GpuSample,
     GpuStatus,
     InferenceProbeSample,
+    MetricsSample,
 )
 from r3090d.units import MIB
 from tests.configs import bare_config
@@ -310,12 +310,12 @@ def test_hung_after_t_seconds_of_timeouts():
 
 
 def metrics(free, usage, running=0, waiting=0, tokens=0.0, preempt=0.0):
-    return EngineSample(kv_usage=usage, num_gpu_blocks=1000, block_size=16, free_blocks=free, running=running, waiting=waiting, generation_tokens_total=tokens, preemptions_total=preempt)
+    return MetricsSample(kv_usage=usage, num_gpu_blocks=1000, block_size=16, free_blocks=free, running=running, waiting=waiting, generation_tokens_total=tokens, preemptions_total=preempt)
 
 
 def test_kv_leak_restarts_drained_at_exactly_k_polls():
     c = cfg(min_free_blocks=100, kv_low_polls=5, kv_cooldown=0.0, lb_grace=0.0)
-    leak = [snap(0, engine=metrics(50, 0.95, tokens=1000.0))] * 8
+    leak = [snap(0, metrics=metrics(50, 0.95, tokens=1000.0))] * 8
     i, acts, st = run_ready(c, leak)
     assert i == 4
     assert st.restart_reason == "kv"
@@ -325,7 +325,7 @@ def test_kv_leak_restarts_drained_at_exactly_k_polls():
 
 def test_kv_under_load_alerts_and_does_not_restart():
     c = cfg(min_free_blocks=100, kv_low_polls=5, kv_cooldown=0.0, alerts={"hysteresis_polls": 1})
-    load = [snap(0, engine=metrics(50, 0.95, running=8, waiting=3, tokens=1000.0 + 50 * i, preempt=float(i))) for i in range(10)]
+    load = [snap(0, metrics=metrics(50, 0.95, running=8, waiting=3, tokens=1000.0 + 50 * i, preempt=float(i))) for i in range(10)]
     i, acts, st = run_ready(c, load)
     assert i is None
     assert st.alerts.get("kv_pressure").firing
@@ -334,14 +334,14 @@ def test_kv_under_load_alerts_and_does_not_restart():
 
 def test_kv_restart_under_load_restores_plain_rule():
     c = cfg(min_free_blocks=100, kv_low_polls=5, kv_cooldown=0.0, kv_restart_under_load=True)
-    load = [snap(0, engine=metrics(50, 0.95, running=8, tokens=1000.0 + 50 * i)) for i in range(10)]
+    load = [snap(0, metrics=metrics(50, 0.95, running=8, tokens=1000.0 + 50 * i)) for i in range(10)]
     i, acts, st = run_ready(c, load)
     assert i == 4 and st.restart_reason == "kv"
 
 
 def test_kv_cooldown_blocks_restart_right_after_ready():
     c = cfg(min_free_blocks=100, kv_low_polls=5, kv_cooldown=300.0)
-    leak = [snap(0, engine=metrics(50, 0.95, tokens=1000.0))] * 20
+    leak = [snap(0, metrics=metrics(50, 0.95, tokens=1000.0))] * 20
     i, _, _ = run_ready(c, leak, start=10.0, step=1.0)
     assert i is None  # ready at t=1, cooldown until t=301
     i, _, _ = run_ready(c, leak * 3, start=250.0, step=1.0)
@@ -350,7 +350,7 @@ def test_kv_cooldown_blocks_restart_right_after_ready():
 
 def test_passive_stall_restarts_after_s_seconds_flat_tokens():
     c = cfg(stall_seconds=60.0, probe_idle_seconds=1000.0)
-    stalled = [snap(0, engine=metrics(900, 0.1, running=2, tokens=500.0))] * 70
+    stalled = [snap(0, metrics=metrics(900, 0.1, running=2, tokens=500.0))] * 70
     i, acts, st = run_ready(c, stalled)
     assert st.restart_reason == "stalled"
     assert i == 60
@@ -359,15 +359,15 @@ def test_passive_stall_restarts_after_s_seconds_flat_tokens():
 def test_a_long_prefill_that_moves_only_kv_blocks_is_progress_not_a_stall():
     """vLLM counts prompt tokens when a prefill ends; its chunks allocate KV blocks as they go."""
     c = cfg(stall_seconds=10.0, probe_idle_seconds=1000.0)
-    prefill = [snap(0, engine=metrics(900 - i, 0.1 + i / 1000, running=1, tokens=500.0)) for i in range(40)]
+    prefill = [snap(0, metrics=metrics(900 - i, 0.1 + i / 1000, running=1, tokens=500.0)) for i in range(40)]
     i, _, st = run_ready(c, prefill)
     assert i is None and st.phase is Phase.READY
     # Prompt tokens moving alone are progress too.
-    prompt = [snap(0, engine=dataclasses.replace(metrics(900, 0.1, running=1, tokens=500.0), prompt_tokens_total=100.0 + i)) for i in range(40)]
+    prompt = [snap(0, metrics=dataclasses.replace(metrics(900, 0.1, running=1, tokens=500.0), prompt_tokens_total=100.0 + i)) for i in range(40)]
     i, _, st = run_ready(c, prompt)
     assert i is None
     # Nothing moving at all: a stall at stall_seconds.
-    flat = [snap(0, engine=metrics(900, 0.1, running=1, tokens=500.0))] * 40
+    flat = [snap(0, metrics=metrics(900, 0.1, running=1, tokens=500.0))] * 40
     i, _, st = run_ready(c, flat)
     assert i == 10 and st.restart_reason == "stalled"
 
@@ -375,11 +375,11 @@ def test_a_long_prefill_that_moves_only_kv_blocks_is_progress_not_a_stall():
 def test_kv_no_progress_arm_counts_block_movement_as_progress():
     c = cfg(min_free_blocks=100, kv_low_polls=5, kv_cooldown=0.0, lb_grace=0.0, stall_seconds=1000.0)
     # Short of blocks, tokens flat, but blocks allocated and freed (a recompute): load, not a leak.
-    moving = [snap(0, engine=metrics(50 - i % 3, 0.95 + (i % 3) / 1000, running=1, waiting=1, tokens=1000.0)) for i in range(12)]
+    moving = [snap(0, metrics=metrics(50 - i % 3, 0.95 + (i % 3) / 1000, running=1, waiting=1, tokens=1000.0)) for i in range(12)]
     i, _, st = run_ready(c, moving)
     assert i is None and st.watch.kv_load
     # Short of blocks, nothing moving: a leak.
-    frozen = [snap(0, engine=metrics(50, 0.95, running=1, waiting=1, tokens=1000.0))] * 12
+    frozen = [snap(0, metrics=metrics(50, 0.95, running=1, waiting=1, tokens=1000.0))] * 12
     i, _, st = run_ready(c, frozen)
     assert i == 4 and st.restart_reason == "kv"
 
@@ -390,19 +390,19 @@ def test_active_probe_sent_when_idle_and_two_failures_restart():
     idle = metrics(900, 0.0, tokens=10.0)
     sent = []
     for t in range(2, 63):
-        acts, st = policy.decide(snap(t, engine=idle), st, c, t)
+        acts, st = policy.decide(snap(t, metrics=idle), st, c, t)
         sent += [t for a in acts if isinstance(a, SendInferenceProbe)]
     assert sent == [62]  # the counter was first read at t=2; 60 s of no new token
     # In flight: nothing more is sent.
     inflight = InferenceProbeSample(sent_at=61, finished_at=None, ok=None)
-    acts, st = policy.decide(snap(70, engine=idle, inference=inflight), st, c, 70)
+    acts, st = policy.decide(snap(70, metrics=idle, inference=inflight), st, c, 70)
     assert not any(isinstance(a, SendInferenceProbe) for a in acts)
     fail1 = InferenceProbeSample(sent_at=61, finished_at=81, ok=False, detail="timeout", consecutive_failures=1)
-    acts, st = policy.decide(snap(82, engine=idle, inference=fail1), st, c, 82)
+    acts, st = policy.decide(snap(82, metrics=idle, inference=fail1), st, c, 82)
     assert any(isinstance(a, SendInferenceProbe) for a in acts)  # retried at once
     assert st.phase is Phase.READY
     fail2 = InferenceProbeSample(sent_at=82, finished_at=102, ok=False, detail="timeout", consecutive_failures=2)
-    acts, st = policy.decide(snap(103, engine=idle, inference=fail2), st, c, 103)
+    acts, st = policy.decide(snap(103, metrics=idle, inference=fail2), st, c, 103)
     assert st.restart_reason == "stalled"
 
 
@@ -410,7 +410,7 @@ def test_probe_skipped_while_traffic_progresses():
     c = cfg(probe_idle_seconds=10.0)
     st = ready_state(c)
     for t in range(2, 60):
-        acts, st = policy.decide(snap(t, engine=metrics(900, 0.2, running=1, tokens=float(t * 10))), st, c, t)
+        acts, st = policy.decide(snap(t, metrics=metrics(900, 0.2, running=1, tokens=float(t * 10))), st, c, t)
         assert not any(isinstance(a, SendInferenceProbe) for a in acts)
 
 
@@ -552,7 +552,7 @@ GPU_CFG = dict(gpu_required=True, gpu_idle_stall_seconds=5.0, stall_seconds=10.0
 )
 def test_gpu_idle_and_busy_table(sample, restart_at, reason):
     c = cfg(**GPU_CFG)
-    samples = [snap(0, engine=busy_engine(), gpu=sample)] * 40
+    samples = [snap(0, metrics=busy_engine(), gpu=sample)] * 40
     i, _, st = run_ready(c, samples)
     assert (i, st.restart_reason) == (restart_at, reason)
 
@@ -560,14 +560,14 @@ def test_gpu_idle_and_busy_table(sample, restart_at, reason):
 def test_gpu_idle_below_the_threshold_is_no_restart():
     c = cfg(**GPU_CFG)
     # Idle for 4 polls (under 5 s), then busy again, repeatedly: tokens move too.
-    samples = [snap(0, engine=busy_engine(tokens=500.0 + i), gpu=gpu(0 if i % 6 < 4 else 90)) for i in range(60)]
+    samples = [snap(0, metrics=busy_engine(tokens=500.0 + i), gpu=gpu(0 if i % 6 < 4 else 90)) for i in range(60)]
     i, _, st = run_ready(c, samples)
     assert i is None and st.phase is Phase.READY
 
 
 def test_gpu_idle_needs_requests_running():
     c = cfg(**GPU_CFG)
-    idle = [snap(0, engine=metrics(900, 0.0, running=0, tokens=500.0), gpu=gpu(0))] * 40
+    idle = [snap(0, metrics=metrics(900, 0.0, running=0, tokens=500.0), gpu=gpu(0))] * 40
     i, _, _ = run_ready(c, idle)
     assert i is None
 
@@ -577,14 +577,14 @@ def test_busy_gpu_postpones_the_probe_until_the_cap():
     st = ready_state(c)
     sent = []
     for t in range(2, 40):
-        acts, st = policy.decide(snap(t, engine=metrics(900, 0.0, running=0, tokens=10.0), gpu=gpu(100)), st, c, t)
+        acts, st = policy.decide(snap(t, metrics=metrics(900, 0.0, running=0, tokens=10.0), gpu=gpu(100)), st, c, t)
         sent += [t for a in acts if isinstance(a, SendInferenceProbe)]
     assert sent and sent[0] >= 30  # nothing while the GPU works, under the busy cap
 
 
 def test_the_reason_for_not_using_the_gpu_is_kept_for_status():
     c = cfg(**GPU_CFG)
-    _, _, st = run_ready(c, [snap(0, engine=busy_engine(), gpu=gpu(50, graphics=((4242, 300),)))] * 2)
+    _, _, st = run_ready(c, [snap(0, metrics=busy_engine(), gpu=gpu(50, graphics=((4242, 300),)))] * 2)
     assert st.watch.gpu_signal_off == "another process uses the GPU (pid 4242)"
 
 
@@ -609,22 +609,22 @@ def test_a_probe_that_queued_behind_a_long_prefill_does_not_count_as_a_freeze():
     st = ready_state(c)
     idle = metrics(900, 0.0, tokens=10.0)
     for t in range(2, 9):
-        acts, st = policy.decide(snap(t, engine=idle), st, c, t)
+        acts, st = policy.decide(snap(t, metrics=idle), st, c, t)
     assert any(isinstance(a, SendInferenceProbe) for a in acts)  # due at 8
     # A long prompt arrives: its prefill allocates blocks each tick; the probe queues behind it.
     first = InferenceProbeSample(sent_at=8.0, finished_at=11.0, ok=False, detail="timeout", consecutive_failures=1)
-    acts, st = policy.decide(snap(9, engine=metrics(890, 0.01, running=1, tokens=10.0), inference=InferenceProbeSample(sent_at=8.0)), st, c, 9)
-    acts, st = policy.decide(snap(11, engine=metrics(880, 0.02, running=1, tokens=10.0), inference=first), st, c, 11)
+    acts, st = policy.decide(snap(9, metrics=metrics(890, 0.01, running=1, tokens=10.0), inference=InferenceProbeSample(sent_at=8.0)), st, c, 9)
+    acts, st = policy.decide(snap(11, metrics=metrics(880, 0.02, running=1, tokens=10.0), inference=first), st, c, 11)
     second = InferenceProbeSample(sent_at=12.0, finished_at=15.0, ok=False, detail="timeout", consecutive_failures=2)
-    acts, st = policy.decide(snap(13, engine=metrics(870, 0.03, running=1, tokens=10.0), inference=InferenceProbeSample(sent_at=12.0, consecutive_failures=1)), st, c, 13)
-    acts, st = policy.decide(snap(15, engine=metrics(860, 0.04, running=1, tokens=10.0), inference=second), st, c, 15)
+    acts, st = policy.decide(snap(13, metrics=metrics(870, 0.03, running=1, tokens=10.0), inference=InferenceProbeSample(sent_at=12.0, consecutive_failures=1)), st, c, 13)
+    acts, st = policy.decide(snap(15, metrics=metrics(860, 0.04, running=1, tokens=10.0), inference=second), st, c, 15)
     assert st.phase is Phase.READY and not any(isinstance(a, RecordRestart) for a in acts)
     # The same two failures with nothing moving: frozen, restart.
     st = ready_state(c)
     for t in range(2, 9):
-        acts, st = policy.decide(snap(t, engine=idle), st, c, t)
-    acts, st = policy.decide(snap(11, engine=idle, inference=first), st, c, 11)
-    acts, st = policy.decide(snap(15, engine=idle, inference=second), st, c, 15)
+        acts, st = policy.decide(snap(t, metrics=idle), st, c, t)
+    acts, st = policy.decide(snap(11, metrics=idle, inference=first), st, c, 11)
+    acts, st = policy.decide(snap(15, metrics=idle, inference=second), st, c, 15)
     assert st.restart_reason == "stalled"
 
 

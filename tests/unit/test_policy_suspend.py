@@ -24,11 +24,11 @@ from r3090d.core.actions import (
 )
 from r3090d.core.snapshot import (
     ChildSample,
-    EngineSample,
     GpuProcess,
     GpuSample,
     GpuStatus,
     InferenceProbeSample,
+    MetricsSample,
 )
 from r3090d.core.suspension import Result, Stage
 from r3090d.core.vocabulary import Phase, RestartReason
@@ -72,7 +72,7 @@ def worker(op, started, outcome=None, state=None, error=""):
                          outcome=outcome, state=state, error=error)  # fmt: skip
 
 
-IDLE = EngineSample(running=0, waiting=0, generation_tokens_total=100.0, prompt_tokens_total=10.0, kv_usage=0.0)
+IDLE = MetricsSample(running=0, waiting=0, generation_tokens_total=100.0, prompt_tokens_total=10.0, kv_usage=0.0)
 
 
 class Run:
@@ -92,7 +92,7 @@ class Run:
         self.now += dt
         kw.setdefault("ch", alive())
         kw.setdefault("gpu", card(self.now))
-        kw.setdefault("engine", IDLE)
+        kw.setdefault("metrics", IDLE)
         self.acts, self.st = policy.decide(snap(self.now, wall=1000.0 + self.now, **kw), self.st, self.c, self.now)
         return self.acts
 
@@ -150,7 +150,7 @@ class Run:
     ids=["no-gpu", "tp2", "tp4", "two-holders", "no-holder", "nvml-error", "starting", "suspended"],
 )
 def test_suspend_is_refused_in_one_line(c, gpu, phase, text, unavailable):
-    snapshot = snap(1, alive(), engine=IDLE, gpu=gpu or card(1))
+    snapshot = snap(1, alive(), metrics=IDLE, gpu=gpu or card(1))
     pending = commands.Pending()
     reply = commands.answer_suspend({"cmd": "suspend"}, pending, c, phase=phase, suspended=None, snap=snapshot)
     assert reply["ok"] is False and text in reply["error"] and "\n" not in reply["error"]
@@ -169,7 +169,7 @@ def test_parallel_size_from_extra_args(args, size):
 
 def test_accepted_requests_are_numbered_and_one_at_a_time():
     pending = commands.Pending()
-    snapshot = snap(1, alive(), engine=IDLE, gpu=card(1))
+    snapshot = snap(1, alive(), metrics=IDLE, gpu=card(1))
     reply = commands.answer_suspend({"cmd": "suspend"}, pending, cfg(), phase=Phase.READY, suspended=None, snap=snapshot)
     assert reply == {"ok": True, "message": "accepted: draining, then suspending the engine", "request": 1}
     again = commands.answer_suspend({"cmd": "suspend"}, pending, cfg(), phase=Phase.READY, suspended=None, snap=snapshot)
@@ -188,7 +188,7 @@ def test_suspend_drains_past_the_lb_grace_then_checkpoints_the_one_gpu_process()
     since = r.now
     assert r.st.phase is Phase.SUSPENDING and r.acts == []
     while r.now < since + 2.0:  # lb_grace: /healthz already 503, nothing asked of the driver yet
-        r.tick(engine=IDLE)
+        r.tick(metrics=IDLE)
         assert not r.of(SuspendEngine) or r.now >= since + 2.0
     assert r.of(SuspendEngine) == [SuspendEngine(CORE, 10000, 0)]
     assert r.st.suspension.stage is Stage.CHECKPOINTING
@@ -206,10 +206,10 @@ def test_suspend_drains_past_the_lb_grace_then_checkpoints_the_one_gpu_process()
 def test_requests_still_running_at_the_drain_deadline_are_frozen_with_the_engine():
     r = Run()
     busy = dataclasses.replace(IDLE, running=1, waiting=2)
-    r.tick(suspend_requested=1, engine=busy)
+    r.tick(suspend_requested=1, metrics=busy)
     since = r.now
     while not r.of(SuspendEngine):
-        r.tick(engine=busy)
+        r.tick(metrics=busy)
     assert r.now >= since + 2.0 + 5.0  # grace, then the whole drain_timeout
     assert r.of(SuspendEngine) == [SuspendEngine(CORE, 10000, 3)]
     assert r.st.suspension.frozen_requests == 3
@@ -218,11 +218,11 @@ def test_requests_still_running_at_the_drain_deadline_are_frozen_with_the_engine
 def test_while_suspended_no_liveness_rule_fires_and_no_probe_is_sent():
     r = Run(cfg(watchdog={"probe_idle_seconds": 1.0, "gpu_idle_stall_seconds": 1.0, "min_free_blocks": 100, "kv_low_polls": 1}))
     r.suspend()
-    frozen = EngineSample(running=1, waiting=0, generation_tokens_total=100.0, prompt_tokens_total=10.0, free_blocks=0.0, kv_usage=1.0)
+    frozen = MetricsSample(running=1, waiting=0, generation_tokens_total=100.0, prompt_tokens_total=10.0, free_blocks=0.0, kv_usage=1.0)
     borrower = card(0, procs=((4242, 23 * GIB),))
     for health in (REFUSED, TIMEOUT, HTTP_503):
         for _ in range(40):  # 20 s each: over stall_seconds, hang_timeout, the probe's idle time
-            r.tick(health=health, engine=frozen, gpu=dataclasses.replace(borrower, taken_at=r.now + 0.5))
+            r.tick(health=health, metrics=frozen, gpu=dataclasses.replace(borrower, taken_at=r.now + 0.5))
             assert r.st.phase is Phase.SUSPENDED
             assert not r.of(RecordRestart) and not r.of(StopEngine) and not r.of(SendInferenceProbe) and not r.of(StartEngine)
             assert r.alerts("gpu_memory") == []  # the borrower's 23 GiB are over the 20000 MiB alert
@@ -270,7 +270,7 @@ def test_resume_checks_a_fresh_reading_restores_then_needs_health_and_a_probe():
     stalled = dataclasses.replace(IDLE, running=1)
     ready_at = r.now
     while r.st.phase is Phase.READY:
-        r.tick(engine=stalled)
+        r.tick(metrics=stalled)
     # A stall counted from before the suspension would restart at once; this one waits its full time.
     assert r.now - ready_at >= r.c.watchdog.gpu_idle_stall_seconds
     assert [a.reason for a in r.of(RecordRestart)] == ["gpu_idle"]

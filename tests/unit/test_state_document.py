@@ -20,28 +20,30 @@ from r3090d.core.alerting import AlertBook, AlertEntry
 from r3090d.core.policy import PolicyState
 from r3090d.core.snapshot import (
     ChildSample,
-    EngineSample,
     GpuProcess,
     GpuSample,
     GpuStatus,
     HealthSample,
     HealthStatus,
     InferenceProbeSample,
+    MetricsSample,
 )
 from r3090d.core.suspension import Result, Stage, Suspension
 from r3090d.core.vocabulary import Phase
+from r3090d.preflight.checks import CheckResult, Status
 from r3090d.service import exporter, statusview
-from r3090d.service.report import (
+from r3090d.service.report import preflight_report, report
+from r3090d.service.statedoc import (
     FORMAT_VERSION,
     DaemonIdentity,
     LastRequest,
+    PreflightSummary,
     StateDocument,
     SuspendInfo,
     UnreadableFormat,
     WorkerInfo,
     WorkerStep,
     parse,
-    report,
 )
 from r3090d.units import GIB
 from tests.snapshots import snap
@@ -81,13 +83,13 @@ def full_report(suspend: SuspendInfo | None = RESUMED, **policy) -> StateDocumen
     snapshot = snap(
         1000.0, wall=NOW, ch=ChildSample(pid=5, alive=True, tree_pids=(5, 6), generation=3),
         health=HealthSample(HealthStatus.OK, 200, 0.01),
-        engine=EngineSample(kv_usage=0.5, num_gpu_blocks=100, free_blocks=49.5, running=2.0, waiting=0.0, cache_config=(("block_size", "16"),)),
+        metrics=MetricsSample(kv_usage=0.5, num_gpu_blocks=100, free_blocks=49.5, running=2.0, waiting=0.0, cache_config=(("block_size", "16"),)),
         gpu=gpu, inference=InferenceProbeSample(sent_at=998.0, finished_at=998.5, ok=True),
     )  # fmt: skip
     stats = exporter.TickStats()
     stats.observe(0.02)
     stats.observe(0.3, (79,))
-    summary = {"exit_code": 1, "checks": [{"name": "swap", "status": "warn", "measured": "on", "expected": "off", "hint": "swapoff -a", "permanent": True}], "at": NOW - 900}
+    summary = PreflightSummary(exitcodes.WARNING, (CheckResult("swap", Status.WARN, "on", "off", "swapoff -a"),), NOW - 900)
     return report(st_, snapshot, cfg, identity=DaemonIdentity(1, NOW - 2000, "0.1.0", "gpu1"), offset=OFFSET, written_at=NOW - 1,
                   tick_s=0.0123, preflight=summary, telemetry=stats.to_json(), suspend=suspend)  # fmt: skip
 
@@ -125,23 +127,21 @@ def test_the_document_keeps_its_shape():
     assert FULL["suspend"]["worker"]["steps"][0] == {"step": "restore", "ok": True, "took_s": 2.1, "error": ""}
 
 
-def preflight_document(waiting: str | None) -> dict:
-    """What PreflightRunner writes before the loop has run (on a host with no earlier state file)."""
-    return {
-        "written_at": NOW - 1,
-        "preflight": {"exit_code": 1, "checks": [{"name": "port", "status": "fail", "measured": "8000 busy", "expected": "free", "hint": "", "permanent": False}], "at": NOW - 1},
-        "engine": {"phase": "stopped", "state": "stopped"},
-        "daemon": {"pid": 7, "started_at": NOW - 30, "version": "0.1.0", "instance": None, "config": "/etc/r3090d.toml", "poll_interval": 10.0},
-        "waiting": {"for": waiting, "since": NOW - 20} if waiting else None,
-        "give_up_reason": None if waiting else "preflight failed: port",
-    }
+PORT_BUSY = CheckResult("port", Status.FAIL, "8000 busy", "free", permanent=False)
+IDENTITY = DaemonIdentity(pid=7, started_at=NOW - 30, version="0.1.0", host="h")
+
+
+def preflight_document(waiting: str | None, previous: StateDocument | None = None, at: float = NOW - 1) -> dict:
+    """What PreflightRunner writes before the loop has run, as JSON (by default on a host with no earlier state file)."""
+    summary = PreflightSummary(exit_code=exitcodes.CRITICAL, checks=(PORT_BUSY,), at=at)
+    return preflight_report(previous, CFG, identity=IDENTITY, summary=summary, waiting=waiting, written_at=at).to_json()
 
 
 def test_preflights_partial_document_is_read_and_judged():
     d = parse(preflight_document("port: 8000 busy"))
     assert d.engine.phase is Phase.STOPPED and d.waiting is not None and d.waiting.what == "port: 8000 busy"
     assert d.preflight is not None and d.preflight.checks[0].name == "port" and d.gpu is None and d.health is None
-    verdict = statusview.evaluate(d, running=True, now=NOW)
+    verdict = statusview.verdict_of(d, running=True, now=NOW)
     assert verdict.code == exitcodes.WARNING and "waiting for preflight before starting the engine: port: 8000 busy" in verdict.line()
     assert "GPU        -" in statusview.panel(d, verdict, NOW)
     assert exporter.healthz(d, NOW) == (503, "engine stopped")
@@ -149,7 +149,36 @@ def test_preflights_partial_document_is_read_and_judged():
     names = {fam.name for fam in exporter.families(d, NOW)}
     assert "r3090d_engine_state" in names and "r3090d_poll_duration_seconds" not in names
     failed = parse(preflight_document(None))
-    assert statusview.evaluate(failed, running=True, now=NOW).line() == "CRITICAL: engine stopped"
+    assert statusview.verdict_of(failed, running=True, now=NOW).line() == "CRITICAL: engine stopped"
+
+
+def test_preflight_keeps_an_earlier_daemons_alert_book_and_nothing_it_measured():
+    earlier = parse(FULL)  # a daemon that ran an engine, then was restarted into a preflight wait
+    assert earlier.alert_book.entries and earlier.gpu is not None and earlier.engine.pid is not None
+    first = parse(preflight_document("port: 8000 busy", earlier, at=NOW + 10))
+    assert first.format == FORMAT_VERSION and first.alert_book == earlier.alert_book
+    assert (first.engine.pid, first.engine.tree_pids, first.gpu, first.health, first.metrics) == (None, [], None, None, MetricsSample())
+    assert (first.restarts.total, first.daemon.pid, first.engine.model) == (0, IDENTITY.pid, "m")
+    # A re-check keeps when the wait began; a failure ends the wait and says why.
+    again = parse(preflight_document("port: 8000 busy", first, at=NOW + 40))
+    assert (again.waiting.since, again.written_at) == (NOW + 10, NOW + 40)
+    failed = parse(preflight_document(None, again, at=NOW + 70))
+    assert failed.waiting is None and failed.give_up_reason == "preflight failed: port"
+
+
+def test_an_older_daemons_preflight_document_is_read():
+    """Written by hand before preflight_report existed: no format, the engine's phase only."""
+    older = {
+        "written_at": NOW - 1,
+        "preflight": {"exit_code": 1, "checks": [{"name": "port", "status": "fail", "measured": "8000 busy", "expected": "free", "hint": "", "permanent": False}], "at": NOW - 1},
+        "engine": {"phase": "stopped", "state": "stopped"},
+        "daemon": {"pid": 7, "started_at": NOW - 30, "version": "0.1.0", "instance": None, "config": "/etc/r3090d.toml", "poll_interval": 10.0},
+        "waiting": {"for": "port: 8000 busy", "since": NOW - 20},
+        "give_up_reason": None,
+    }  # fmt: skip
+    d = parse(older)
+    assert d.format == 1 and d.preflight.checks == (PORT_BUSY,) and d.waiting.what == "port: 8000 busy"
+    assert statusview.verdict_of(d, running=True, now=NOW).code == exitcodes.WARNING
 
 
 def test_an_older_daemons_document_is_read_with_defaults():
@@ -162,9 +191,9 @@ def test_an_older_daemons_document_is_read_with_defaults():
     assert d.thresholds.gpu_memory_alert_bytes is None and d.inference.latency_s is None and d.watch.gpu_signal_off is None
     names = {s.name for fam in exporter.families(d, NOW) for s in fam.samples}
     assert "r3090d_gpu_memory_alert_threshold_bytes" not in names and "r3090d_inference_probe_latency_seconds" not in names
-    assert statusview.evaluate(d, running=True, now=NOW).line() == "CRITICAL: gpu_memory firing"
+    assert statusview.verdict_of(d, running=True, now=NOW).line() == "CRITICAL: gpu_memory firing"
     assert d.suspend is None and not {n for n in names if n.startswith("r3090d_suspended_")}
-    assert not [line for line in statusview.panel(d, statusview.evaluate(d, running=True, now=NOW), NOW) if "uspend" in line]
+    assert not [line for line in statusview.panel(d, statusview.verdict_of(d, running=True, now=NOW), NOW) if "uspend" in line]
 
 
 @pytest.mark.parametrize("version", [FORMAT_VERSION + 1, 99, "3", True, None])
@@ -188,12 +217,12 @@ def test_an_unknown_phase_is_named_not_crashed_on():
     doc["engine"]["phase"] = "hibernating"
     d = parse(doc)
     assert d.engine.phase is None and d.engine.phase_text == "hibernating" and d.engine.phase_name == "hibernating"
-    assert statusview.evaluate(d, running=True, now=NOW).code == exitcodes.CRITICAL
-    assert "engine in an unknown phase 'hibernating'" in statusview.evaluate(d, running=True, now=NOW).reasons
+    assert statusview.verdict_of(d, running=True, now=NOW).code == exitcodes.CRITICAL
+    assert "engine in an unknown phase 'hibernating'" in statusview.verdict_of(d, running=True, now=NOW).reasons
     assert exporter.healthz(d, NOW) == (503, "engine hibernating")
     one_hot = [s.value for fam in exporter.families(d, NOW) if fam.name == "r3090d_engine_state" for s in fam.samples]
     assert one_hot == [0.0] * len(Phase)
-    assert "Engine     hibernating for" in "\n".join(statusview.panel(d, statusview.evaluate(d, running=True, now=NOW), NOW))
+    assert "Engine     hibernating for" in "\n".join(statusview.panel(d, statusview.verdict_of(d, running=True, now=NOW), NOW))
 
 
 def test_malformed_fields_take_their_defaults_and_unknown_keys_are_ignored():
@@ -207,7 +236,7 @@ def test_malformed_fields_take_their_defaults_and_unknown_keys_are_ignored():
     d = parse(doc)
     assert (d.engine.pid, d.engine.maintenance, d.engine.tree_pids, d.engine.since) == (None, False, [5, 7], None)
     assert d.restarts.by_reason == {"kv": 1}
-    assert d.gpu is None and d.metrics == EngineSample()
+    assert d.gpu is None and d.metrics == MetricsSample()
     assert d.alerts.silenced == {"gpu_memory": NOW + 60}
 
 
@@ -247,7 +276,7 @@ def damaged_documents(draw) -> dict:
 def readers(doc: dict) -> None:
     """Every reader of the document, as the exporter and `r3090ctl status` call them."""
     for running in (True, False):
-        verdict = statusview.evaluate(doc, running=running, now=NOW)
+        verdict = statusview.verdict_of(doc, running=running, now=NOW)
         statusview.panel(doc, verdict, NOW, note="n")
     statusview.not_running_lines(doc, "pid 1 is gone", "/var/lib/r3090d/state.json", "systemctl start r3090d", NOW)
     statusview.gpu_line(doc.get("gpu") if isinstance(doc.get("gpu"), dict) else None)
@@ -295,7 +324,7 @@ def test_a_suspended_engine_is_a_warning_not_an_unknown_phase(phase):
     doc = copy.deepcopy(FULL)
     doc["engine"]["phase"] = phase.value
     doc["alerts"]["firing"] = {}
-    verdict = statusview.evaluate(doc, running=True, now=NOW)
+    verdict = statusview.verdict_of(doc, running=True, now=NOW)
     assert verdict.line() == f"WARNING: engine {phase.value}"  # no restart reason: none is under way
 
 
@@ -385,8 +414,8 @@ def test_a_damaged_suspend_section_costs_defaults_not_the_document():
     assert parse({**doc, "suspend": "yes"}).suspend is None
 
 
-def panel_text(doc: StateDocument, now: float = NOW) -> tuple[statusview.Verdict, list[str]]:
-    verdict = statusview.evaluate(doc, running=True, now=now)
+def panel_text(doc: StateDocument, now: float = NOW) -> tuple[statusview.HealthVerdict, list[str]]:
+    verdict = statusview.verdict_of(doc, running=True, now=now)
     return verdict, statusview.panel(doc, verdict, now)
 
 
