@@ -60,10 +60,13 @@ def tpot_floor(model_dir: str | None, bandwidth_gbs: float | None, card: str | N
     """The plan's TPOT floor for MBU, or None (with a note on stderr) when an input is missing."""
     if not model_dir:
         return None
-    from r3090d.cli import plan_cmd
+    from r3090d.measure import inputs
     from r3090d.measure import plan as planmod
 
-    model = plan_cmd.read_model(model_dir)
+    try:
+        model = inputs.read_model(model_dir)
+    except planmod.PlanError as exc:
+        raise UsageExit(str(exc)) from None
     if model.measured_weight_bytes:
         weight_bytes, source = model.measured_weight_bytes, model.weight_note
     else:
@@ -74,9 +77,9 @@ def tpot_floor(model_dir: str | None, bandwidth_gbs: float | None, card: str | N
             return None
         weight_bytes, source = est.bytes, est.assumption
     try:
-        hardware = plan_cmd.resolve_hardware(None, bandwidth_gbs, need_memory=False, card=card, gpu_index=gpu_index)
-    except click.UsageError as exc:
-        click.echo(f"r3090ctl bench: no MBU: {exc.message}", err=True)
+        hardware = inputs.resolve_hardware(None, bandwidth_gbs, need_memory=False, card=card, gpu_index=gpu_index)
+    except planmod.PlanError as exc:
+        click.echo(f"r3090ctl bench: no MBU: {exc}", err=True)
         return None
     floor = planmod.tpot_floor_s(weight_bytes, hardware.bandwidth_bytes_per_s)
     return {

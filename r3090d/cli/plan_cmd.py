@@ -10,121 +10,23 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from pathlib import Path
 
 import click
 
 from r3090d import config as configmod
 from r3090d import exitcodes
-from r3090d.cards import CARDS, card_for_name
 from r3090d.cli.common import UsageExit, config_option, ctl, emit_json, instance_option, load_config
 from r3090d.config import ConfigError
-from r3090d.core.snapshot import GpuStatus
 from r3090d.engineflags import (
     VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
     VLLM_DEFAULT_MAX_NUM_SEQS,
     flag_switch,
     flag_value,
 )
+from r3090d.measure import inputs, plancheck
 from r3090d.measure import plan as planmod
-from r3090d.measure import plancheck
 from r3090d.measure.plan import GB, KvBasis, PlanError
 from r3090d.units import GIB, MIB
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelInputs:
-    shape: planmod.ModelShape
-    measured_weight_bytes: int | None
-    weight_note: str
-    label: str
-
-
-def read_model(path: str) -> ModelInputs:
-    """A model directory (config.json, optional safetensors) or a bare config.json file."""
-    from r3090d.measure import modelinfo
-
-    p = Path(path).expanduser()
-    if p.is_file():
-        try:
-            config = modelinfo.read_config(p)
-        except modelinfo.ModelConfigError as exc:
-            raise UsageExit(f"cannot read {path}: {exc}") from None
-        return ModelInputs(_shape(config, path), None, "config.json only", str(p))
-    facts = modelinfo.read_model_dir(p)
-    if not facts.is_dir:
-        raise UsageExit(f"--model {path}: {facts.error}")
-    if facts.config is None:
-        raise UsageExit(f"--model {path}: no readable config.json ({facts.error})")
-    measured = facts.weight_bytes if facts.weight_bytes else None
-    if measured:
-        note = f"measured: safetensors headers of {len([f for f in facts.weight_files if f.format == 'safetensors'])} file(s)"
-    elif facts.weight_files:
-        note = f"no complete safetensors set ({facts.error or 'other formats only'}): estimated"
-    else:
-        note = "no weight files: estimated"
-    return ModelInputs(_shape(facts.config, path), measured, note, str(p))
-
-
-def _shape(config, where: str) -> planmod.ModelShape:
-    try:
-        return planmod.shape_from_config(config)
-    except PlanError as exc:
-        raise UsageExit(f"{where}: {exc}") from None
-
-
-def gpu_from_nvml(index: int):
-    """(memory bytes, NVML name) of GPU `index`, or (None, why)."""
-    try:
-        from r3090d.probes import nvml  # the only module that talks to NVML
-    except ImportError as exc:
-        return None, f"NVML probe unavailable ({exc})"
-    sample = nvml.read_gpu(index, timeout_s=10.0)
-    if sample.status is GpuStatus.OK and sample.memory_total:
-        return (sample.memory_total, sample.name), ""
-    return None, f"NVML: {sample.status.value}{': ' + sample.detail if sample.detail else ''}"
-
-
-def resolve_hardware(gpu_memory_gib, bandwidth_gbs, *, need_memory: bool, card: str | None, gpu_index: int) -> planmod.Hardware:
-    """Flags first, then NVML for the size and the card profile for the bandwidth."""
-    memory = int(gpu_memory_gib * GIB) if gpu_memory_gib is not None else None
-    bandwidth = bandwidth_gbs * GB if bandwidth_gbs is not None else None
-    sources = []
-    if memory is not None:
-        sources.append("--gpu-memory-gib")
-    if bandwidth is not None:
-        sources.append("--bandwidth-gbs")
-    nvml_why = ""
-    gpu_name = None
-    if memory is None or bandwidth is None:
-        found, nvml_why = gpu_from_nvml(gpu_index)
-        if found is not None:
-            total, name = found
-            gpu_name = name
-            if memory is None:
-                memory = total
-                sources.append(f"NVML GPU {gpu_index} ({name})")
-            profile = card_for_name(name) or CARDS.get(card or "")
-            if bandwidth is None and profile is not None:
-                bandwidth = profile.bandwidth_gbs * GB
-                sources.append(f"card profile {profile.key}")
-    missing = []
-    if memory is None and need_memory:
-        missing.append("--gpu-memory-gib G")
-    if bandwidth is None:
-        missing.append("--bandwidth-gbs B")
-    if missing == ["--bandwidth-gbs B"] and gpu_name:
-        raise UsageExit(
-            f"GPU {gpu_index} ({gpu_name}) is not in the card profiles ({', '.join(sorted(CARDS))}), "
-            "so its memory bandwidth is unknown: give --bandwidth-gbs B (decimal GB/s)"
-        )
-    if missing:
-        why = f" ({nvml_why})" if nvml_why else ""
-        raise UsageExit(
-            f"no GPU to measure{why}: give {' and '.join(missing)} "
-            "(an RTX 3090 is --gpu-memory-gib 24 --bandwidth-gbs 936)"
-        )
-    return planmod.Hardware(memory, bandwidth, ", ".join(sources))
 
 
 def _maybe_config(config_path, instance, model_path: str | None):
@@ -164,22 +66,6 @@ def _config_with_model(config_path, instance, model_path: str):
     return configmod.from_dict(data, path, instance, check_files=False)
 
 
-def read_engine_cache(url: str, timeout: float = 5.0, model_name: str = ""):
-    """(EngineCache, None) from a live engine's /metrics, or (None, why)."""
-
-    from r3090d.probes import engine as engine_probe
-    from r3090d.probes.http import engine_session
-
-    with engine_session() as session:  # the engine is reached directly, never through a proxy
-        text, why = engine_probe.fetch_metrics(session, url, timeout)
-    if text is None:
-        return None, why
-    sample = engine_probe.parse(text, model_name)
-    if not sample.cache_config:
-        return None, sample.error or "no vllm:cache_config_info in /metrics"
-    return plancheck.engine_cache_from_labels(dict(sample.cache_config)), None
-
-
 # ------------------------------------------------------------------ rendering
 
 
@@ -198,7 +84,7 @@ def _ms(s: float | None) -> str:
     return f"{s * 1000:.1f} ms" if s >= 0.01 else f"{s * 1000:.3f} ms"
 
 
-def plan_to_dict(plan: planmod.Plan, comparison: plancheck.Comparison | None, engine_error: str | None, model: ModelInputs) -> dict:
+def plan_to_dict(plan: planmod.Plan, comparison: plancheck.Comparison | None, engine_error: str | None, model: inputs.ModelInputs) -> dict:
     data = {
         "model": {"path": model.label, **dataclasses.asdict(plan.shape)},
         "weights_note": model.weight_note,
@@ -223,7 +109,7 @@ def plan_to_dict(plan: planmod.Plan, comparison: plancheck.Comparison | None, en
     return data
 
 
-def render(plan: planmod.Plan, comparison, engine_error, model: ModelInputs, url: str | None) -> None:
+def render(plan: planmod.Plan, comparison, engine_error, model: inputs.ModelInputs, url: str | None) -> None:
     s, sh, hw = plan.settings, plan.shape, plan.hardware
     echo = click.echo
     echo(f"Model       {model.label}: {sh.architecture} ({sh.model_type or '?'}), {sh.torch_dtype}")
@@ -382,7 +268,10 @@ def plan_command(
     model_path = model_path or (cfg.engine.model if cfg else None)
     if not model_path:
         raise UsageExit("no model: give --model DIR (or --config with engine.model)")
-    model = read_model(model_path)
+    try:
+        model = inputs.read_model(model_path)
+    except PlanError as exc:
+        raise UsageExit(str(exc)) from None
 
     profile = _profile(cfg, profile_name, model.shape)
     if enforce_eager is None:
@@ -398,14 +287,14 @@ def plan_command(
         enforce_eager=bool(enforce_eager),
         overhead_bytes=int(overhead_gib * GIB) if overhead_gib is not None else None,
     )
-    hardware = resolve_hardware(
-        gpu_memory_gib,
-        bandwidth_gbs,
-        need_memory=settings.kv_cache_memory_bytes is None,
-        card=cfg.gpu.card if cfg else None,
-        gpu_index=cfg.gpu.index if cfg else (instance or 0),
-    )
     try:
+        hardware = inputs.resolve_hardware(
+            gpu_memory_gib,
+            bandwidth_gbs,
+            need_memory=settings.kv_cache_memory_bytes is None,
+            card=cfg.gpu.card if cfg else None,
+            gpu_index=cfg.gpu.index if cfg else (instance or 0),
+        )
         plan = planmod.make_plan(model.shape, settings, hardware, measured_weight_bytes=model.measured_weight_bytes, measured_source=model.weight_note)
     except PlanError as exc:
         raise UsageExit(str(exc)) from None
@@ -413,7 +302,7 @@ def plan_command(
     engine_url = url or (cfg.engine_url if cfg else None)
     comparison = engine_error = None
     if engine_url:
-        cache, engine_error = read_engine_cache(engine_url, model_name=cfg.model_name if (cfg and not url) else "")
+        cache, engine_error = inputs.read_engine_cache(engine_url, model_name=cfg.model_name if (cfg and not url) else "")
         if cache is not None:
             comparison = plancheck.compare(plan, cache)
     if as_json:

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 
 from r3090d import config as configmod
-from r3090d.cli import plan_cmd
 from r3090d.cli.common import ctl, run_click
 from r3090d.config import loading as config_loading
 from r3090d.core.snapshot import GpuSample, GpuStatus, HostFacts
-from r3090d.measure import modelinfo, plancheck
+from r3090d.measure import inputs, modelinfo, plancheck
 from r3090d.measure.modelinfo import read_model_dir
 from r3090d.preflight.checks import check_model_fit
 
@@ -25,7 +24,7 @@ GIB = 1024**3
 @pytest.fixture(autouse=True)
 def no_gpu(monkeypatch):
     # The NVML boundary: behave as a machine without a GPU wherever the tests run.
-    monkeypatch.setattr(plan_cmd, "gpu_from_nvml", lambda index: (None, "NVML: no_library: test machine"))
+    monkeypatch.setattr(inputs, "gpu_from_nvml", lambda index: (None, "NVML: no_library: test machine"))
     monkeypatch.delenv("R3090D_CONFIG", raising=False)
     # resolve_path() reads the default where it is defined, not the package's re-export.
     monkeypatch.setattr(config_loading, "DEFAULT_PATH", Path("/nonexistent/r3090d.toml"))
@@ -94,7 +93,7 @@ def test_help_states_the_figures_plan_prints(capsys, qwen_dir):
 def test_an_engine_figure_is_exact_and_placed_against_the_range(capsys, qwen_dir, monkeypatch):
     # The engine boundary: what its /metrics cache_config_info would say.
     labels = {"num_gpu_blocks": "5306", "block_size": "16", "gpu_memory_utilization": "0.9"}
-    monkeypatch.setattr(plan_cmd, "read_engine_cache", lambda url, **kw: (plancheck.engine_cache_from_labels(labels), None))
+    monkeypatch.setattr(inputs, "read_engine_cache", lambda url, **kw: (plancheck.engine_cache_from_labels(labels), None))
     args = ("--model", qwen_dir, "--gpu-memory-gib", 24, "--bandwidth-gbs", 936, "--url", "http://engine")
     code, out, err = run(capsys, *args)
     assert code == 0, err
@@ -196,7 +195,7 @@ def test_an_unreachable_url_given_explicitly_is_an_error(capsys, qwen_dir):
 
 
 def test_a_3090_seen_by_nvml_needs_no_flags(capsys, qwen_dir, monkeypatch):
-    monkeypatch.setattr(plan_cmd, "gpu_from_nvml", lambda index: ((24576 * 2**20, "NVIDIA GeForce RTX 3090"), ""))
+    monkeypatch.setattr(inputs, "gpu_from_nvml", lambda index: ((24576 * 2**20, "NVIDIA GeForce RTX 3090"), ""))
     code, out, err = run(capsys, "--model", qwen_dir, "--json")
     assert code == 0, err
     hw = json.loads(out)["hardware"]
@@ -206,7 +205,7 @@ def test_a_3090_seen_by_nvml_needs_no_flags(capsys, qwen_dir, monkeypatch):
 
 def test_an_unknown_card_asks_for_its_bandwidth(capsys, qwen_dir, monkeypatch):
     # NVML memory as read on a real H200.
-    monkeypatch.setattr(plan_cmd, "gpu_from_nvml", lambda index: ((150_754_820_096, "NVIDIA H200"), ""))
+    monkeypatch.setattr(inputs, "gpu_from_nvml", lambda index: ((150_754_820_096, "NVIDIA H200"), ""))
     code, _, err = run(capsys, "--model", qwen_dir)
     assert code == 64
     assert "NVIDIA H200" in err and "give --bandwidth-gbs" in err
