@@ -58,16 +58,7 @@ def report(
     firing = {k: FiringAlert(e.severity, e.summary, wall(e.since)) for k, e in st.alerts.firing().items()}
     return StateDocument(
         written_at=written_at,
-        daemon=DaemonInfo(
-            pid=identity.pid,
-            started_at=identity.started_at,
-            version=identity.version,
-            instance=cfg.instance,
-            config=cfg.source,
-            host=identity.host,
-            tick_seconds=round(tick_s, 4),
-            poll_interval=cfg.watchdog.poll_interval,
-        ),
+        daemon=daemon_info(identity, cfg, poll_interval=cfg.watchdog.poll_interval, tick_seconds=round(tick_s, 4)),
         engine=EngineInfo(
             state="maintenance" if st.maintenance and st.phase is Phase.READY else st.phase.value,
             phase=st.phase,
@@ -107,6 +98,20 @@ def report(
     )
 
 
+def daemon_info(identity: DaemonIdentity, cfg: Config, *, poll_interval: float, tick_seconds: float | None = None) -> DaemonInfo:
+    """Who writes the document, and how often it is re-written (readers judge its freshness by it)."""
+    return DaemonInfo(
+        pid=identity.pid,
+        started_at=identity.started_at,
+        version=identity.version,
+        instance=cfg.instance,
+        config=cfg.source,
+        host=identity.host,
+        tick_seconds=tick_seconds,
+        poll_interval=poll_interval,
+    )
+
+
 def preflight_report(
     previous: StateDocument | None,
     cfg: Config,
@@ -126,15 +131,8 @@ def preflight_report(
     failed = [c.name for c in summary.checks if c.status is Status.FAIL]
     return StateDocument(
         written_at=written_at,
-        daemon=DaemonInfo(
-            pid=identity.pid,
-            started_at=identity.started_at,
-            version=identity.version,
-            instance=cfg.instance,
-            config=cfg.source,
-            host=identity.host,
-            poll_interval=cfg.preflight.transient_retry_s,  # re-written at each re-check: that is its freshness
-        ),
+        # re-written at each re-check: that is its freshness
+        daemon=daemon_info(identity, cfg, poll_interval=cfg.preflight.transient_retry_s),
         engine=EngineInfo(state=Phase.STOPPED.value, phase=Phase.STOPPED, model=cfg.model_name, url=cfg.engine_url),
         alert_book=previous.alert_book if previous is not None else AlertBookInfo(),
         preflight=summary,
