@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
 import re
 import socket
 from dataclasses import dataclass
@@ -129,6 +130,13 @@ class RaisedAlert:
 
 def one_line(text: str) -> str:
     return CONTROL_CHARS.sub(" ", text).strip()
+
+
+def log_level(alert: SendAlert) -> int:
+    """The daemon's own log line for an alert. A resolve is good news: INFO, so `journalctl -p warning` lists only problems."""
+    if alert.state == AlertState.RESOLVED:
+        return logging.INFO
+    return logging.ERROR if alert.severity == Severity.CRITICAL else logging.WARNING
 
 
 def syslog_priority_name(alert: SendAlert) -> str:

@@ -24,7 +24,8 @@ from r3090d.config import Config
 from r3090d.core import policy
 from r3090d.core.actions import Exit, RecordRestart, SendAlert, SendInferenceProbe, StartEngine, StopEngine
 from r3090d.core.snapshot import Snapshot
-from r3090d.core.vocabulary import AlertState, Phase, Severity
+from r3090d.core.vocabulary import Phase
+from r3090d.effectors import alertformat
 from r3090d.effectors.child import DRAIN_MARGIN_S, EngineProcess
 from r3090d.effectors.reaper import ChildReaper
 from r3090d.effectors.systemd import Notifier, watchdog_warning
@@ -159,9 +160,7 @@ class Daemon:
                 log.warning("engine restart: %s: %s%s", action.reason, action.detail, cause)
                 self.last_restart_record = forensics.record(self.state_dir, action, snap, self.engine.log_tail(), self.sampler.last_metrics_text)
             elif isinstance(action, SendAlert):
-                # A resolve is good news: INFO, so `journalctl -p warning` lists only problems.
-                level = logging.INFO if action.state == AlertState.RESOLVED else logging.ERROR if action.severity == Severity.CRITICAL else logging.WARNING
-                log.log(level, "alert %s %s: %s", action.key, action.state, action.summary)
+                log.log(alertformat.log_level(action), "alert %s %s: %s", action.key, action.state, action.summary)
                 if self.alerts is not None:
                     self.alerts.submit(action)
             elif isinstance(action, SendInferenceProbe):

@@ -12,6 +12,7 @@ import pytest
 
 from r3090d.config import AlertsConfig, ConfigError, EmailConfig, SyslogConfig
 from r3090d.core.actions import SendAlert
+from r3090d.core.vocabulary import AlertState, Severity
 from r3090d.effectors import alertformat, alerts, channels
 from r3090d.effectors.alertformat import AlertContext, RaisedAlert
 
@@ -41,6 +42,21 @@ def raised(key="gpu_memory", severity="warning", state="firing", summary="used 2
 )
 def test_syslog_severity_follows_rfc5424(severity, state, expected):
     assert logging.handlers.SysLogHandler.priority_names[alertformat.syslog_priority_name(SendAlert("k", severity, state, "s"))] == expected
+
+
+@pytest.mark.parametrize(
+    "severity,state,level",
+    [
+        (Severity.CRITICAL, AlertState.FIRING, logging.ERROR),
+        (Severity.CRITICAL, AlertState.REMINDER, logging.ERROR),
+        (Severity.WARNING, AlertState.FIRING, logging.WARNING),
+        (Severity.INFO, AlertState.FIRING, logging.WARNING),
+        (Severity.CRITICAL, AlertState.RESOLVED, logging.INFO),  # good news: out of `journalctl -p warning`
+        (Severity.WARNING, AlertState.RESOLVED, logging.INFO),
+    ],
+)
+def test_the_daemons_own_log_line_for_an_alert(severity, state, level):
+    assert alertformat.log_level(SendAlert("k", severity, state, "s")) == level
 
 
 def test_subject_names_host_gpu_key_state_severity_summary_and_gpu_name():
