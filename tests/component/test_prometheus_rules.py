@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from r3090d.service import control_client, exporter
+from r3090d.units import GIB, MIB
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -185,8 +186,6 @@ def sel(metric: str, instance: str, **labels: str) -> str:
 
 
 FIRING, QUIET = "gpu0", "gpu9"
-GIB = 1024**3
-MIB = 1024**2
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from r3090d.core.snapshot import GpuStatus, HostFacts, PortFacts
 from r3090d.measure.modelinfo import ModelFacts
 from r3090d.preflight.checks import PreflightFacts, Status, run_checks
 from r3090d.probes.nvml import sample_from_dict
+from r3090d.units import MIB
 
 DATA = Path(__file__).parents[1] / "data"
-MIB = 1024**2
 IDLE = sample_from_dict(json.loads((DATA / "nvml-h200-sample.json").read_text()))
 LOAD = sample_from_dict(json.loads((DATA / "nvml-h200-load-sample.json").read_text()))
 QWEN = ModelFacts(path="/m", is_dir=True, config=json.loads((DATA / "qwen2.5-7b-config.json").read_text()))
