@@ -23,10 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from r3090d.probes.nvml import read_gpu  # noqa: E402
+from r3090d.units import MIB  # noqa: E402
 from tests.daemon_harness import DaemonProcess, engine_config, write_config  # noqa: E402
 from tests.fakevllm.harness import make_engine_python  # noqa: E402
 
-MIB = 1024 * 1024
 T0 = time.monotonic()
 
 

@@ -20,7 +20,7 @@ import pytest
 from r3090d.config import WatchdogConfig
 from r3090d.core.snapshot import GpuStatus
 from r3090d.probes import nvml as probe
-from r3090d.units import GIB
+from r3090d.units import GIB, MIB
 from tests.waiting import wait_until
 
 PACKAGE = Path(probe.__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ class FakeNvml:
 
 
 def memory(h, version=None):
-    total, reserved, free = 24 * GIB, 300 * 1024**2, 20 * GIB
+    total, reserved, free = 24 * GIB, 300 * MIB, 20 * GIB
     if version:
         return SimpleNamespace(version=version, total=total, reserved=reserved, free=free, used=total - reserved - free)
     return SimpleNamespace(total=total, free=free, used=total - free)
@@ -127,7 +127,7 @@ def test_healthy_reading_maps_every_field():
     assert (s.name, s.uuid, s.driver_version, s.cuda_driver_version) == ("NVIDIA GeForce RTX 3090", "GPU-3090", "535.183.01", 12020)
     assert s.compute_capability == (8, 6)
     # v2: used excludes the driver's reserved memory
-    assert s.memory_total == 24 * GIB and s.memory_reserved == 300 * 1024**2
+    assert s.memory_total == 24 * GIB and s.memory_reserved == 300 * MIB
     assert s.memory_used == s.memory_total - s.memory_reserved - s.memory_free
     assert (s.utilization_gpu, s.utilization_memory, s.temperature_c) == (37, 12, 61)
     assert s.power_w == pytest.approx(215.5) and s.power_limit_w == pytest.approx(350.0)

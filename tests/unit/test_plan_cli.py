@@ -15,10 +15,10 @@ from r3090d.core.snapshot import GpuSample, GpuStatus, HostFacts
 from r3090d.measure import inputs, modelinfo, plancheck
 from r3090d.measure.modelinfo import read_model_dir
 from r3090d.preflight.checks import check_model_fit
+from r3090d.units import GIB
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 QWEN_CONFIG = DATA / "qwen2.5-7b-config.json"
-GIB = 1024**3
 
 
 @pytest.fixture(autouse=True)
