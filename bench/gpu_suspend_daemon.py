@@ -56,10 +56,10 @@ if str(ROOT) not in sys.path:
 
 from bench import gpu_engine_standin as standin  # noqa: E402
 from bench import gpu_idle as gi  # noqa: E402
+from r3090d.units import MIB  # noqa: E402
 
 CTL = [sys.executable, "-c", "from r3090d.cli import ctl_main; ctl_main()"]  # the r3090ctl entry point
 EX_UNAVAILABLE = gi.EX_UNAVAILABLE
-MIB = 2**20
 DRAIN_TIMEOUT_S = 3.0  # requests still running then are frozen with the engine
 LB_GRACE_S = 1.0  # /healthz 503 this long before the drain: short, the run has no load balancer
 POLL_INTERVAL_S = 1.0
