@@ -61,7 +61,7 @@ CASES = [
     (
         "frozen EngineCore",
         fault_frozen,
-        "stalled",
+        "probe_failed",
         WATCHDOG["probe_idle_seconds"] + WATCHDOG["probe_failures"] * WATCHDOG["probe_timeout"] + POLL,
     ),
 ]

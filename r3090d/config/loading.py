@@ -397,6 +397,10 @@ def _validate(cfg: Config, path, *, check_files: bool) -> None:
         raise ConfigError(path, "watchdog.metrics_timeout", "health_timeout + metrics_timeout exceed a quarter of WatchdogSec=30", "keep their sum at or below 7.5 s")
     if w.backoff_max < w.backoff_initial:
         raise ConfigError(path, "watchdog.backoff_max", "is below watchdog.backoff_initial", "raise backoff_max")
+    if cfg.daemon.exit_on_give_up and w.give_up_retry > 0:
+        raise ConfigError(path, "watchdog.give_up_retry",
+                          f"is {w.give_up_retry:g} s while daemon.exit_on_give_up is true: a daemon that exits cannot retry",
+                          "set watchdog.give_up_retry = 0, or daemon.exit_on_give_up = false")  # fmt: skip
     if cfg.alerts.email.enabled and not cfg.alerts.email.recipients:
         raise ConfigError(path, "alerts.email.recipients", "email is enabled but no recipient is set", 'add recipients = ["ops@example.org"]')
     if cfg.gpu.card not in CARDS and cfg.gpu.card != ANY_CARD:

@@ -124,6 +124,7 @@ class WatchdogConfig:
     min_uptime: float = opt(60.0, 0, 86400)
     start_failures: int = opt(5, 1, 1000)  # consecutive start failures before giving up
     same_cause_failures: int = opt(2, 1, 1000)  # ... or this many in a row with one root cause
+    give_up_retry: float = opt(1800.0, 0, 7 * 86400)  # after a give-up, one start attempt this often (0: wait for r3090ctl restart)
     restart_storm_restarts: int = opt(3, 1, 100000)  # the restart_storm alert: this many restarts
     restart_storm_window: float = opt(3600.0, 1, 7 * 86400)  # ... within this many seconds
     lb_grace: float = opt(5.0, 0, 600)  # drained restart: /healthz 503 this long before SIGTERM

@@ -10,18 +10,34 @@ The engine moves through phases:
     READY/STARTING --failure--> RESTARTING (old tree being stopped)
     RESTARTING --tree gone--> BACKOFF --delay over--> STARTING
     STARTING/young READY --too many start failures--> GIVEN_UP (engine stopped, daemon up)
-    GIVEN_UP --r3090ctl restart--> STARTING (from zero failures)
+    GIVEN_UP --r3090ctl restart, or watchdog.give_up_retry later--> STARTING
+    any start --the card needs a reset--> RESET_NEEDED --r3090ctl restart--> STARTING
+    any automatic start --others hold the card--> WAITING_FOR_GPU --room--> STARTING
     any --shutdown--> SHUTTING_DOWN --tree gone--> exit 0
     READY --r3090ctl suspend--> SUSPENDING --> SUSPENDED --r3090ctl resume--> RESUMING --> READY
           (r3090d.core.suspension: the stages, their failures and why no liveness rule runs there)
 
-Restart semantics, as supervisord and Kubernetes' CrashLoopBackOff agree:
-a *start failure* is an engine that never became ready, or failed within
-`min_uptime` of becoming ready. Only consecutive start failures grow the
-backoff and lead to a give-up (after `start_failures` of them, or after
-`same_cause_failures` in a row with the same root-cause line). An engine that
-was ready for `min_uptime` and then fails is restarted at once, for ever:
-restarting is exactly what fixes it.
+Restart semantics: a start *succeeds* once the engine has served (vLLM counts a
+request completed with finish reason stop, length or repetition, beyond the
+daemon's own probes) or has been ready for `min_uptime`, whichever comes first.
+A *start failure* is an engine that died before either. Only consecutive start
+failures grow the backoff and lead to a give-up (after `start_failures` of them,
+or after `same_cause_failures` in a row with the same root-cause line). An
+engine whose start succeeded and then fails is restarted at once, for ever:
+restarting is exactly what fixes it; only the same certain root cause again and
+again backs off (capped), and never gives up. A give-up retries by itself every
+`watchdog.give_up_retry` seconds.
+
+Every start passes one gate (`start_gate`): no start while the card needs a
+reset (an XID of the reset class, or the driver's recovery action), while the
+GPU is lost or in maintenance, or (automatic starts) while processes outside the
+engine hold the room it needs. A start after an engine's death first waits for
+an NVML reading taken after the death, so an XID that arrives with it is seen.
+
+The fast freeze detectors (gpu_idle, the passive stall) widen their own window
+when they restart an engine that then trips them again before succeeding:
+doubled each time, up to 8x, back to 1x once an engine has been healthy for
+`min_uptime`.
 """
 
 from __future__ import annotations
@@ -35,18 +51,26 @@ from r3090d.core.actions import (
     Action,
     Exit,
     RecordRestart,
+    RequestGpuSample,
     SendInferenceProbe,
     StartEngine,
     StopEngine,
     SuspendRecord,
 )
+from r3090d.core.room import Room, engine_room
 from r3090d.core.snapshot import HealthStatus, Snapshot
 from r3090d.core.suspension import Result, SuspendResult, Suspension
 from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartKind, RestartReason, Severity
+from r3090d.core.xid import HOLDING_ACTIONS, RESET_PROCEDURE, ResetHold, XidClass, classify, describe
 
 # How long to wait for NVML to stop listing processes of the old tree once
 # psutil says they are gone, before starting the new engine anyway.
 VRAM_RELEASE_WAIT_S = 30.0
+# How long a start after a death waits for an NVML reading taken after it, at most.
+FRESH_SAMPLE_WAIT_S = 10.0
+# The fast freeze detectors, and how far their windows may widen.
+FAST_DETECTORS = (RestartReason.GPU_IDLE, RestartReason.STALLED)
+MAX_DETECTOR_SCALE = 8
 
 
 @dataclass(frozen=True)
@@ -58,6 +82,12 @@ class PolicyState:
     ready_since: float | None = None
     next_start_at: float | None = None
     restart_reason: str | None = None  # why the current restart/backoff is happening
+    succeeded: bool = False  # this engine's start succeeded: it served, or was ready for min_uptime
+    served_base: float | None = None  # completed requests (net of our probes) when this engine was first read READY
+    death_at: float | None = None  # when the last engine's death was seen: a start waits for NVML after it
+    recovered_same_cause: int = 0  # deaths after a successful start in a row with one certain root cause
+    detector_scale: tuple[tuple[RestartReason, int], ...] = ()  # fast detectors' widened windows (absent: 1x)
+    restarted_by: RestartReason | None = None  # the fast detector that restarted the engine now starting
     start_failures: int = 0  # consecutive start failures: the backoff level and the give-up count
     same_cause_run: int = 0  # how many of those in a row had last_root_cause
     last_root_cause: str | None = None  # the root-cause line of the last failure, if the log had one
@@ -72,8 +102,15 @@ class PolicyState:
     tree_gone_at: float | None = None
     give_up_reason: str | None = None  # set while GIVEN_UP; the gave_up alert fires until READY again
     gave_up_unresolved: bool = False  # a give-up whose alert has not yet resolved (engine not ready since)
+    retry_at: float | None = None  # GIVEN_UP: when watchdog.give_up_retry tries a start by itself
+    retry_attempts: int = 0  # automatic starts since the give-up
+    retrying: bool = False  # the engine starting now is such an attempt: a failure returns to GIVEN_UP
+    start_pending: str | None = None  # a start asked for (its reason), waiting for the old tree to go
     exit_code: int | None = None
-    xid_seen: tuple[int, ...] = ()  # latched across restarts: only a reboot clears it
+    xid_seen: tuple[int, ...] = ()  # every XID seen since the daemon started, for status (it holds nothing)
+    xid_counts: tuple[tuple[XidClass, int], ...] = ()  # XIDs seen, by class
+    reset_hold: ResetHold | None = None  # the card needs a reset: no start until r3090ctl restart or a reboot
+    gpu_wait: Room | None = None  # WAITING_FOR_GPU: the room the start waits for, and who holds it
     watch: rules.WatchState = field(default_factory=rules.WatchState)
     blind: rules.Blindness = field(default_factory=rules.Blindness)
     alerts: alerting.AlertBook = field(default_factory=alerting.AlertBook)
@@ -116,8 +153,7 @@ def decide(snap: Snapshot, st: PolicyState, cfg: Config, now: float) -> tuple[li
         st = replace(st, maintenance=snap.maintenance)
     for key, seconds in snap.silences:
         st = replace(st, alerts=alerting.silence(st.alerts, key, now + seconds))
-    if snap.gpu.xid_errors:
-        st = replace(st, xid_seen=tuple(sorted(set(st.xid_seen) | set(snap.gpu.xid_errors))))
+    st = _gpu_faults(snap, st, cfg, events)
     window = cfg.watchdog.restart_storm_window
     st = replace(
         st,
@@ -126,8 +162,8 @@ def decide(snap: Snapshot, st: PolicyState, cfg: Config, now: float) -> tuple[li
     )
     st = _lifecycle(snap, st, cfg, now, actions, events)
     st = _unanswered(snap, st, now)
-    watch = replace(st.watch, xid_seen=st.xid_seen)
-    conds = rules.conditions(snap, watch, cfg, now, _lifecycle_facts(st, cfg, now), st.blind) + events
+    conds = rules.conditions(snap, st.watch, cfg, now, _lifecycle_facts(st, cfg, now), st.blind) + events
+    conds += _hold_conditions(st, cfg)
     conds += suspension.conditions(st.suspension, st.phase, snap, cfg, now)
     alert_actions, book = alerting.evaluate(conds, st.alerts, cfg, now)
     actions.extend(alert_actions)
@@ -143,11 +179,114 @@ def _lifecycle_facts(st: PolicyState, cfg: Config, now: float) -> rules.Lifecycl
         gave_up_unresolved=st.gave_up_unresolved,
         recent_restarts=len(st.restart_times),
         root_cause=st.last_root_cause,
+        retry_in=(st.retry_at - now) if st.retry_at is not None else None,
+        exits_on_give_up=cfg.daemon.exit_on_give_up,
     )
 
 
 def _to(st: PolicyState, phase: Phase, now: float, **changes) -> PolicyState:
     return replace(st, phase=phase, phase_since=now, **changes)
+
+
+# ------------------------------------------------------------------ GPU faults
+
+
+def _gpu_faults(snap: Snapshot, st: PolicyState, cfg: Config, events: list) -> PolicyState:
+    """XIDs and the driver's recovery action: alerts by class; the reset class holds starts."""
+    g = snap.gpu
+    if not cfg.gpu.required:
+        return st
+    counts = dict(st.xid_counts)
+    for xid in g.xid_errors:
+        info = classify(xid)
+        counts[info.cls] = counts.get(info.cls, 0) + 1
+        if info.cls is XidClass.RESET:
+            if st.reset_hold is None:
+                st = replace(st, reset_hold=ResetHold(describe(xid), snap.wall))
+        elif info.cls is XidClass.ROW_REMAP:
+            events.append(rules.Condition("gpu_xid_row_remap", True, Severity.WARNING,
+                                          f"{describe(xid)}: reset the GPU at a convenient time; the engine keeps serving", event=True))  # fmt: skip
+        elif info.cls is XidClass.UNKNOWN:
+            events.append(rules.Condition("gpu_xid_unknown", True, Severity.CRITICAL,
+                                          f"unknown XID {xid}: not in r3090d's table; an engine that fails is restarted", event=True))  # fmt: skip
+        else:
+            events.append(rules.Condition("gpu_xid_application", True, Severity.WARNING,
+                                          f"{describe(xid)}: an application-level fault; an engine that fails is restarted", event=True))  # fmt: skip
+    if g.xid_errors:
+        st = replace(st, xid_seen=tuple(sorted(set(st.xid_seen) | set(g.xid_errors))),
+                     xid_counts=tuple(sorted(counts.items())))  # fmt: skip
+    if g.recovery_action in HOLDING_ACTIONS and st.reset_hold is None:
+        st = replace(st, reset_hold=ResetHold(f"the driver's recovery action is {g.recovery_action.text}", snap.wall))
+    return st
+
+
+def _hold_conditions(st: PolicyState, cfg: Config) -> list[rules.Condition]:
+    hold = st.reset_hold
+    out = [rules.Condition(
+        "gpu_reset_needed", hold is not None, Severity.CRITICAL,
+        f"the GPU needs a reset: {hold.reason}; no engine starts until then: {RESET_PROCEDURE}" if hold
+        else "the GPU reset hold is cleared", immediate=True,
+    )]  # fmt: skip
+    wait = st.gpu_wait if st.phase is Phase.WAITING_FOR_GPU else None
+    out.append(rules.Condition(
+        "gpu_room", wait is not None, Severity.WARNING,
+        f"the engine waits for GPU memory: {wait.text()}; it starts once they let go" if wait
+        else "the GPU has room for the engine again", immediate=True,
+    ))  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------------ the start gate
+
+
+def start_gate(snap: Snapshot, st: PolicyState, cfg: Config, now: float, *, automatic: bool) -> Phase | None:
+    """None when an engine may start now; else the phase to wait in.
+
+    Every start passes here: the first, a restart, the start after a give-up (by the
+    operator or by give_up_retry), and the cold start of a resumed suspension.
+    """
+    g = snap.gpu
+    if st.reset_hold is not None:
+        return Phase.RESET_NEEDED
+    if st.maintenance or g.lost:
+        # Maintenance pauses remediation; a lost GPU would only crash the new engine.
+        return Phase.BACKOFF
+    if not cfg.gpu.required or not automatic:
+        return None
+    if st.death_at is not None and g.usable and g.taken_at is not None and g.taken_at <= st.death_at and now - st.death_at < FRESH_SAMPLE_WAIT_S:
+        return st.phase  # an NVML reading after the death first (asked for below)
+    room = engine_room(g, cfg, snap.child.tree_pids, snap.process_names)
+    if room is not None and not room.fits and room.holders:
+        return Phase.WAITING_FOR_GPU
+    return None
+
+
+def _start(snap, st, cfg, now, actions, reason: str, *, automatic: bool, **changes) -> PolicyState:
+    """Start an engine through the gate, or wait where the gate says."""
+    st = replace(st, **changes) if changes else st
+    wait = start_gate(snap, st, cfg, now, automatic=automatic)
+    if wait is not None:
+        g = snap.gpu
+        if st.death_at is not None and g.usable and g.taken_at is not None and g.taken_at <= st.death_at:
+            actions.append(RequestGpuSample())
+        room = engine_room(g, cfg, snap.child.tree_pids, snap.process_names) if wait is Phase.WAITING_FOR_GPU else None
+        st = replace(st, gpu_wait=room, start_pending=reason)
+        return st if st.phase is wait else _to(st, wait, now)
+    actions.append(StartEngine(reason=reason))
+    return _to(
+        st, Phase.STARTING, now,
+        generation=snap.child.generation + 1, old_tree=(), start_pending=None, gpu_wait=None, death_at=None,
+        succeeded=False, served_base=None, watch=_fresh_watch(st),
+    )  # fmt: skip
+
+
+def _fresh_watch(st: PolicyState, ready_at: float | None = None) -> rules.WatchState:
+    scale = dict(st.detector_scale)
+    return rules.WatchState(ready_at=ready_at, gpu_idle_scale=scale.get(RestartReason.GPU_IDLE, 1),
+                            stall_scale=scale.get(RestartReason.STALLED, 1))  # fmt: skip
+
+
+# ------------------------------------------------------------------ the lifecycle
 
 
 def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions: list[Action], events: list) -> PolicyState:
@@ -170,8 +309,20 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
         return _given_up(snap, st, cfg, now, actions)
 
     if st.phase is Phase.STOPPED:
-        actions.append(StartEngine(reason="initial start"))
-        return _to(st, Phase.STARTING, now, generation=child.generation + 1, watch=rules.WatchState())
+        # Preflight has already waited out the card's other holders before the first start.
+        return _start(snap, st, cfg, now, actions, "initial start", automatic=False)
+
+    if st.phase is Phase.RESET_NEEDED:
+        if snap.restart_requested is not None:
+            # The operator has reset the card (or decided to try): the hold is cleared.
+            st = replace(st, reset_hold=None, start_failures=0, same_cause_run=0, next_start_at=None)
+            return _start(snap, st, cfg, now, actions, "restart requested by operator after a GPU reset", automatic=False)
+        return _start(snap, st, cfg, now, actions, st.start_pending or "restart", automatic=True)
+
+    if st.phase is Phase.WAITING_FOR_GPU:
+        operator = snap.restart_requested is not None  # the operator's word: start now, room or not
+        reason = "restart requested by operator while waiting for the GPU" if operator else st.start_pending or "restart"
+        return _start(snap, st, cfg, now, actions, reason, automatic=not operator)
 
     if st.phase in (Phase.RESTARTING, Phase.DRAINING, Phase.BACKOFF):
         return _resume(snap, st, cfg, now, actions)
@@ -193,14 +344,14 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
 
     if st.phase is Phase.STARTING:
         if snap.health.status is HealthStatus.OK:
-            return _to(st, Phase.READY, now, ready_since=now, gave_up_unresolved=False, watch=rules.WatchState(ready_at=now))
+            cleared = {} if st.retrying else {"gave_up_unresolved": False}
+            return _to(st, Phase.READY, now, ready_since=now, watch=_fresh_watch(st, ready_at=now), **cleared)
         if now - st.phase_since > cfg.engine.startup_timeout:
             return _fail(snap, st, cfg, now, actions, events, RestartReason.STARTUP_TIMEOUT, f"not ready after {cfg.engine.startup_timeout} s", drain=False)
         return st
 
     # READY
-    if st.start_failures and _healthy_for(st, cfg, now):
-        st = replace(st, start_failures=0, same_cause_run=0)
+    st = _track_success(snap, st, cfg, now, events)
     watch, verdict = rules.assess(snap, st.watch, cfg, now)
     st = replace(st, watch=watch)
     if snap.restart_requested is not None:
@@ -216,8 +367,39 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
 
 
 def _healthy_for(st: PolicyState, cfg: Config, now: float) -> bool:
-    """Ready for at least min_uptime: a failure now is not a start failure."""
+    """Ready for at least min_uptime."""
     return st.phase is Phase.READY and st.ready_since is not None and now - st.ready_since >= cfg.watchdog.min_uptime
+
+
+def served_since_ready(snap: Snapshot, st: PolicyState) -> tuple[float | None, bool]:
+    """(the baseline, whether the engine completed a request of its own clients since it was first read READY).
+
+    vLLM's completed requests (stop, length, repetition) less every probe the daemon sent:
+    the daemon's own requests never count as the engine having served.
+    """
+    served = snap.metrics.served_total
+    if served is None or snap.metrics.error is not None:
+        return st.served_base, False
+    net = served - snap.inference.sent_total
+    if st.served_base is None:
+        return net, False
+    return st.served_base, net > st.served_base
+
+
+def _track_success(snap: Snapshot, st: PolicyState, cfg: Config, now: float, events: list) -> PolicyState:
+    """READY: a start succeeds once the engine served or was ready for min_uptime; widened detectors narrow after min_uptime."""
+    if not st.succeeded:
+        base, served = served_since_ready(snap, st)
+        st = replace(st, served_base=base)
+        if served or _healthy_for(st, cfg, now):
+            st = replace(st, succeeded=True, start_failures=0, same_cause_run=0, backoff_level=0, retrying=False,
+                         retry_at=None, retry_attempts=0, gave_up_unresolved=False, give_up_reason=None)  # fmt: skip
+    if st.detector_scale and _healthy_for(st, cfg, now):
+        widened = ", ".join(f"{reason.value} {scale}x" for reason, scale in st.detector_scale)
+        events.append(rules.Condition("detector_narrowed", True, Severity.INFO,
+                                      f"healthy for {cfg.watchdog.min_uptime:.0f} s: fast detectors back to their configured windows (were {widened})", event=True))  # fmt: skip
+        st = replace(st, detector_scale=(), watch=replace(st.watch, gpu_idle_scale=1, stall_scale=1))
+    return st
 
 
 def _given_up(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions: list[Action]) -> PolicyState:
@@ -228,36 +410,45 @@ def _given_up(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions:
             actions.append(Exit(code=exitcodes.GAVE_UP, reason=st.give_up_reason or "gave up"))
         return st
     operator_restart = snap.restart_requested in (RestartKind.DRAIN, RestartKind.FAST)
-    if operator_restart and child.tree_gone:
+    if operator_restart:
         # Nothing is serving, so there is nothing to drain: start again from zero failures.
-        actions.append(StartEngine(reason="restart requested by operator after a give-up"))
-        return _to(
-            st,
-            Phase.STARTING,
-            now,
-            generation=child.generation + 1,
-            give_up_reason=None,
-            start_failures=0,
-            same_cause_run=0,
-            backoff_level=0,
-            old_tree=(),
-            watch=rules.WatchState(),
-        )
-    return st
+        # The operator's word also clears a reset hold: they have looked at the card.
+        st = replace(st, start_pending="restart requested by operator after a give-up", reset_hold=None, retrying=False)
+    elif st.start_pending is None and st.retry_at is not None and now >= st.retry_at:
+        st = replace(st, start_pending=f"automatic retry {st.retry_attempts + 1} after a give-up", retrying=True,
+                     retry_attempts=st.retry_attempts + 1, retry_at=None)  # fmt: skip
+    if st.start_pending is None:
+        return st
+    if not child.tree_gone:
+        # What is left of the old tree goes first, as in a fast stop; the start follows.
+        if (child.alive or child.tree_pids) and not child.stopping:
+            actions.append(StopEngine(drain=False, reason="start after a give-up"))
+        return st
+    changes = dict(start_failures=0, same_cause_run=0, backoff_level=0)
+    if not st.retrying:
+        changes.update(give_up_reason=None, retry_at=None, retry_attempts=0)
+    # The gate may hold it (a reset, a held card): it then waits in that phase, the give-up's alert still standing.
+    return _start(snap, st, cfg, now, actions, st.start_pending, automatic=st.retrying, **changes)
 
 
 def _fail(snap, st, cfg, now, actions, events, reason, detail, *, drain) -> PolicyState:
-    """A failure: restart, at once after a healthy period, else with backoff, or give up."""
+    """A failure: restart, at once after a successful start, else with backoff, or give up."""
     cause = snap.child.root_cause if not snap.child.alive else None
-    if _healthy_for(st, cfg, now):
-        st = replace(st, start_failures=0, same_cause_run=0, last_root_cause=cause)
-        return _restart(snap, st, cfg, now, actions, events, reason, detail, drain=drain, counts=True, root_cause=cause)
+    certain = cause is not None and snap.child.root_cause_certain
+    st = replace(st, death_at=now if not snap.child.alive else st.death_at)
+    st = _widen_detector(st, cfg, reason, events)
+    if st.succeeded or _healthy_for(st, cfg, now):
+        # A recoverable failure: restart at once, for ever; the same certain cause again and again backs off, capped.
+        run = st.recovered_same_cause + 1 if certain and cause == st.last_root_cause and st.recovered_same_cause else (1 if certain else 0)
+        st = replace(st, start_failures=0, same_cause_run=0, last_root_cause=cause, recovered_same_cause=run)
+        return _restart(snap, st, cfg, now, actions, events, reason, detail, drain=drain, counts=True, root_cause=cause, level=max(0, run - 1))
+    if st.retrying:
+        return _retry_failed(snap, st, cfg, now, actions, reason, detail, cause)
     level = st.start_failures  # backoff before this restart: one step per earlier start failure in a row
     failures = st.start_failures + 1
     # Only a line that says why (an exception, an ERROR) can make two failures "the same cause".
-    certain = cause is not None and snap.child.root_cause_certain
     same = st.same_cause_run + 1 if certain and cause == st.last_root_cause and st.start_failures else (1 if certain else 0)
-    st = replace(st, start_failures=failures, same_cause_run=same, last_root_cause=cause)
+    st = replace(st, start_failures=failures, same_cause_run=same, last_root_cause=cause, recovered_same_cause=0)
     wd = cfg.watchdog
     if failures >= wd.start_failures or same >= wd.same_cause_failures:
         why = (
@@ -271,8 +462,44 @@ def _fail(snap, st, cfg, now, actions, events, reason, detail, *, drain) -> Poli
         if snap.child.alive or snap.child.tree_pids:
             actions.append(StopEngine(drain=False, reason="gave up"))
         actions.append(RecordRestart(reason=reason, detail=detail, root_cause=cause))
-        return _to(st, Phase.GIVEN_UP, now, give_up_reason=why, gave_up_unresolved=True, restart_reason=reason, ready_since=None)
+        retry_at = now + wd.give_up_retry if wd.give_up_retry > 0 and not cfg.daemon.exit_on_give_up else None
+        return _to(st, Phase.GIVEN_UP, now, give_up_reason=why, gave_up_unresolved=True, restart_reason=reason, ready_since=None,
+                   retry_at=retry_at, retry_attempts=0, start_pending=None)  # fmt: skip
     return _restart(snap, st, cfg, now, actions, events, reason, detail, drain=drain, counts=True, root_cause=cause, level=level)
+
+
+def _retry_failed(snap, st, cfg, now, actions, reason, detail, cause) -> PolicyState:
+    """An automatic attempt after a give-up failed: given up again, with the new cause, until the next attempt."""
+    if snap.child.alive or snap.child.tree_pids:
+        actions.append(StopEngine(drain=False, reason="give-up retry failed"))
+    actions.append(RecordRestart(reason=reason, detail=detail, root_cause=cause))
+    why = f"automatic retry {st.retry_attempts} failed ({reason}: {detail})" + (f"; root cause: {cause}" if cause else "")
+    return _to(st, Phase.GIVEN_UP, now, give_up_reason=why, gave_up_unresolved=True, restart_reason=reason, ready_since=None,
+               last_root_cause=cause, retrying=False, retry_at=now + cfg.watchdog.give_up_retry, start_pending=None)  # fmt: skip
+
+
+def _widen_detector(st: PolicyState, cfg: Config, reason: str, events: list) -> PolicyState:
+    """A fast detector that trips again on the engine it restarted, before that engine succeeded, doubles its window."""
+    detector = RestartReason(reason) if reason in FAST_DETECTORS else None
+    if detector is not None and st.restarted_by is detector and not st.succeeded:
+        scales = dict(st.detector_scale)
+        old = scales.get(detector, 1)
+        new = min(old * 2, MAX_DETECTOR_SCALE)
+        if new != old:
+            key = DETECTOR_WINDOW_KEYS[detector]
+            seconds = getattr(cfg.watchdog, key)
+            events.append(rules.Condition(
+                "detector_widened", True, Severity.WARNING,
+                f"{detector.value} fired twice in a row on engines that never succeeded: its window widens from "
+                f"{seconds * old:g} s to {seconds * new:g} s; if the workload legitimately idles that long, raise watchdog.{key}",
+                event=True,
+            ))  # fmt: skip
+            st = replace(st, detector_scale=tuple(sorted({**scales, detector: new}.items())))
+    return replace(st, restarted_by=detector)
+
+
+# The config key of each fast detector's window.
+DETECTOR_WINDOW_KEYS = {RestartReason.GPU_IDLE: "gpu_idle_stall_seconds", RestartReason.STALLED: "stall_seconds"}
 
 
 def _restart(snap, st, cfg, now, actions, events, reason, detail, *, drain, counts, root_cause=None, level=0) -> PolicyState:
@@ -322,18 +549,13 @@ def _resume(snap, st, cfg, now, actions) -> PolicyState:
     if not child.tree_gone:
         return st
     if st.tree_gone_at is None:
-        st = replace(st, tree_gone_at=now)
+        st = replace(st, tree_gone_at=now, death_at=st.death_at if st.death_at is not None else now)
     if snap.gpu.usable and snap.gpu.processes is not None and now - st.tree_gone_at < VRAM_RELEASE_WAIT_S:
         if {p.pid for p in snap.gpu.processes} & set(st.old_tree):
             return st  # the driver still lists the old tree as holding VRAM
-    if st.maintenance or snap.gpu.lost or st.xid_seen:
-        # Maintenance pauses remediation; a lost GPU or an XID error needs a reboot,
-        # and starting vLLM again would only crash again.
-        return st if st.phase is Phase.BACKOFF else _to(st, Phase.BACKOFF, now)
     if st.next_start_at is not None and now < st.next_start_at:
         return st if st.phase is Phase.BACKOFF else _to(st, Phase.BACKOFF, now)
-    actions.append(StartEngine(reason=f"restart after {st.restart_reason}"))
-    return _to(st, Phase.STARTING, now, generation=child.generation + 1, old_tree=(), watch=rules.WatchState())
+    return _start(snap, st, cfg, now, actions, f"restart after {st.restart_reason}", automatic=True)
 
 
 # ------------------------------------------------------------------ suspend/resume
@@ -341,6 +563,8 @@ def _resume(snap, st, cfg, now, actions) -> PolicyState:
 
 def _suspension(snap, st, cfg, now, actions, events) -> PolicyState:
     """SUSPENDING, SUSPENDED, RESUMING: the stage machine of r3090d.core.suspension, and nothing else."""
+    if st.reset_hold is not None and snap.resume_requested is not None:
+        snap = replace(snap, resume_requested=None)  # refused below (_unanswered): the card needs a reset first
     return _apply(snap, st, cfg, now, actions, events, suspension.advance(st.suspension, snap, cfg, now, lb_grace(cfg)))
 
 
@@ -355,13 +579,12 @@ def _apply(snap, st, cfg, now, actions, events, move: suspension.Move) -> Policy
         st = replace(st, suspension=None)
         return _restart(snap, st, cfg, now, actions, events, reason, detail, drain=False, counts=True)
     if move.start_cold:
-        actions.append(StartEngine(reason="resume of a suspension without an engine"))
-        return _to(st, Phase.STARTING, now, generation=snap.child.generation + 1, suspension=None, old_tree=(), watch=rules.WatchState())
+        return _start(snap, replace(st, suspension=None), cfg, now, actions, "resume of a suspension without an engine", automatic=False)
     if move.phase is st.phase:
         return replace(st, suspension=move.suspension)
     if move.phase is Phase.READY:
         # Nothing that stood still during the suspension may read as a stall: the watch starts afresh.
-        return _to(st, Phase.READY, now, suspension=None, ready_since=now, watch=rules.WatchState(ready_at=now))
+        return _to(st, Phase.READY, now, suspension=None, ready_since=now, watch=_fresh_watch(st, ready_at=now))
     return _to(st, move.phase, now, suspension=move.suspension)
 
 
@@ -370,6 +593,6 @@ def _unanswered(snap: Snapshot, st: PolicyState, now: float) -> PolicyState:
     for op, request in (("suspend", snap.suspend_requested), ("resume", snap.resume_requested)):
         taken = (st.suspension is not None and st.suspension.request == request) or (st.suspend_last is not None and st.suspend_last.request == request)
         if request is not None and not taken:
-            why = f"the engine is {st.phase.value}"
+            why = f"the GPU needs a reset ({st.reset_hold.reason})" if st.reset_hold and op == "resume" else f"the engine is {st.phase.value}"
             st = replace(st, suspend_last=SuspendResult(request, op, Result.REFUSED, why, now))
     return st

@@ -35,7 +35,9 @@ class WatchState:
     gpu_busy: bool = False  # the GPU's own view at the last poll: the engine is computing
     gpu_idle_since: float | None = None  # requests running and the GPU idle, since
     gpu_signal_off: str = ""  # why the GPU's view is not used (empty: it is)
-    xid_seen: tuple[int, ...] = ()  # latched: a reboot is needed
+    # The fast detectors' windows as multiples of their settings: widened by the policy after repeated trips.
+    gpu_idle_scale: int = 1
+    stall_scale: int = 1
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class LifecycleFacts:
     gave_up_unresolved: bool = False
     recent_restarts: int = 0  # unrequested restarts within restart_storm_window
     root_cause: str | None = None
+    retry_in: float | None = None  # GIVEN_UP: seconds to the next automatic attempt (watchdog.give_up_retry)
+    exits_on_give_up: bool = False  # daemon.exit_on_give_up: the daemon exits 79 instead of staying up
 
 
 @dataclass(frozen=True)
@@ -181,14 +185,14 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
     act = gpu_activity(snap, cfg)
     w = replace(w, gpu_busy=bool(act.busy), gpu_signal_off=act.why_not)
     w = replace(w, gpu_idle_since=_held_since(w.gpu_idle_since, running and act.busy is False, now))
-    if w.gpu_idle_since is not None and now - w.gpu_idle_since >= wd.gpu_idle_stall_seconds:
+    if w.gpu_idle_since is not None and now - w.gpu_idle_since >= wd.gpu_idle_stall_seconds * w.gpu_idle_scale:
         idle_s = now - w.gpu_idle_since
         return w, RestartVerdict(RestartReason.GPU_IDLE, f"{eng.running:.0f} running and the GPU idle (0% busy) for {idle_s:.1f} s", drain=False)
 
     # Frozen engine, passive: requests running and nothing moving for S seconds. A busy
     # GPU is progress too (a long prefill moves no counter) but only up to the busy cap.
     quiet = now - w.progress_at
-    if running and quiet >= wd.stall_seconds and not _gpu_working(w, wd, quiet):
+    if running and quiet >= wd.stall_seconds * w.stall_scale and not _gpu_working(w, wd, quiet):
         busy = " while the GPU read busy (over the busy cap)" if w.gpu_busy else ""
         return w, RestartVerdict(RestartReason.STALLED, f"{eng.running:.0f} running, no progress (tokens or KV blocks) for {quiet:.0f} s{busy}", drain=False)
 
@@ -204,7 +208,7 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
         else:
             w = replace(w, probe_failures=w.probe_failures + 1, probe_due_at=inf.finished_at)  # retry at once
             if w.probe_failures >= wd.probe_failures:
-                return w, RestartVerdict(RestartReason.STALLED, f"{w.probe_failures} inference probes failed with nothing moving ({inf.detail})", drain=False)
+                return w, RestartVerdict(RestartReason.PROBE_FAILED, f"{w.probe_failures} inference probes failed with nothing moving ({inf.detail})", drain=False)
 
     # KV cache: low free blocks for K consecutive polls.
     if eng.free_blocks is not None and eng.free_blocks < wd.min_free_blocks:
@@ -291,6 +295,17 @@ def memory_slope(points: tuple[tuple[float, int], ...]) -> float | None:
     return sum((p[0] - mt) * (p[1] - mv) for p in points) / den
 
 
+def _after_give_up(life: LifecycleFacts) -> str:
+    """What follows a give-up, as the gave_up alert says it."""
+    if life.exits_on_give_up:
+        return "the daemon exits with code 79 (daemon.exit_on_give_up); systemd's Restart= decides what follows"
+    if life.retry_in is not None:
+        return f"the engine stays stopped; next automatic attempt in {max(0.0, life.retry_in) / 60:.0f} min (r3090ctl restart starts it now)"
+    if life.phase is Phase.GIVEN_UP:
+        return "the engine stays stopped until r3090ctl restart"
+    return "an attempt to start the engine is under way"
+
+
 def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: LifecycleFacts, blind: Blindness = Blindness()) -> list[Condition]:
     wd = cfg.watchdog
     g = snap.gpu
@@ -300,8 +315,9 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
         "gave_up",
         life.phase is Phase.GIVEN_UP or life.gave_up_unresolved,
         Severity.CRITICAL,
-        f"gave up: {life.give_up_reason}; the engine stays stopped until r3090ctl restart" if life.give_up_reason
-        else "the engine is ready again after a give-up",
+        # The give-up's reason (with its root cause) ends the line: Alertmanager's annotation cuts the cause from the end.
+        f"gave up ({_after_give_up(life)}): {life.give_up_reason}" if life.give_up_reason
+        else "the engine serves again after a give-up",
         immediate=True,
     ))  # fmt: skip
     storm = life.recent_restarts >= wd.restart_storm_restarts
@@ -322,8 +338,6 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
     if cfg.gpu.required:
         lost = g.lost or g.status is GpuStatus.LOST
         out.append(Condition("gpu_lost", lost, Severity.CRITICAL, f"GPU {cfg.gpu.index} is lost ({g.detail or 'GpuIsLost'}): reboot needed" if lost else f"GPU {cfg.gpu.index} answers NVML again"))
-        xids = tuple(sorted(set(w.xid_seen) | set(g.xid_errors)))
-        out.append(Condition("gpu_xid", bool(xids), Severity.CRITICAL, f"XID critical errors {', '.join(map(str, xids))}: reboot needed" if xids else "no XID critical error seen since the daemon started"))
         out.append(Condition("nvml_hung", g.hung, Severity.WARNING, f"an NVML call has been stuck for {g.age_s or 0:.0f} s" if g.hung else "NVML answers again"))
         limit = wd.gpu_memory_alert_mib * MIB
         if life.phase in SUSPEND_PHASES:

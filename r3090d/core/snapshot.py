@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from r3090d.core.xid import RecoveryAction
+
 if TYPE_CHECKING:
     from r3090d.core.vocabulary import RestartKind
     from r3090d.effectors.suspender import SuspendSample
@@ -91,6 +93,7 @@ class GpuSample:
     graphics_processes: tuple[GpuProcess, ...] | None = None  # a desktop's Xorg, a game
     xid_errors: tuple[int, ...] = ()  # XID codes seen since the previous sample
     xid_monitored: bool = False  # XID event registration succeeded (NotSupported on some boards)
+    recovery_action: RecoveryAction | None = None  # the driver's verdict (driver 565+); None: not reported
     field_errors: tuple[str, ...] = ()  # "call: error" for reads that failed other than NotSupported
 
     @property
@@ -173,6 +176,9 @@ class MetricsSample:
     preemptions_total: float | None = None
     generation_tokens_total: float | None = None
     prompt_tokens_total: float | None = None
+    # vllm:request_success_total over the finish reasons stop, length and repetition:
+    # requests the engine completed (the daemon's own probes among them).
+    served_total: float | None = None
     kv_cache_size_tokens: int | None = None
     cache_config: tuple[tuple[str, str], ...] = ()  # labels of vllm:cache_config_info
     itl_sum: float | None = None  # vllm:inter_token_latency_seconds_sum
@@ -188,6 +194,7 @@ class InferenceProbeSample:
     ok: bool | None = None  # None while in flight or never sent
     detail: str = ""
     consecutive_failures: int = 0
+    sent_total: int = 0  # probes sent since the daemon started, over all engines
 
 
 # ------------------------------------------------------------------------- child

@@ -19,6 +19,8 @@ class Phase(enum.StrEnum):
     RESTARTING = "restarting"  # the old tree is being stopped
     BACKOFF = "backoff"
     GIVEN_UP = "given-up"
+    WAITING_FOR_GPU = "waiting-for-gpu"  # an automatic start waits: processes outside the engine hold the card
+    RESET_NEEDED = "reset-needed"  # no start: the card needs a reset or a reboot (r3090ctl restart once done)
     SHUTTING_DOWN = "shutting-down"
     # r3090ctl suspend / resume (r3090d.core.suspension): the engine lends the GPU.
     SUSPENDING = "suspending"  # draining, then the driver checkpoints the engine
@@ -46,7 +48,8 @@ class RestartReason(enum.StrEnum):
     STARTUP_TIMEOUT = "startup_timeout"  # /health never answered 200 within engine.startup_timeout
     DEAD = "dead"  # /health refused for dead_refused_polls polls, or answered 503
     HUNG = "hung"  # /health timing out for hang_timeout
-    STALLED = "stalled"  # requests running and no progress, or the inference probe failing
+    STALLED = "stalled"  # requests running and no progress (tokens, prompt tokens, KV blocks)
+    PROBE_FAILED = "probe_failed"  # idle, and the 1-token inference probe failing with nothing moving
     KV = "kv"  # the KV cache ran out and did not recover
     GPU_IDLE = "gpu_idle"  # requests running, and the GPU (its sole user the engine) idle
     REQUESTED = "requested"  # r3090ctl restart, or a reload that changed the engine's settings

@@ -60,7 +60,10 @@ PREFLIGHT_FAILED = "preflight_failed"
 # the two in step) and the CLI's test alert. A SendAlert does not say whether it is
 # an event, and an event never resolves, so one missing here would be re-sent as a
 # firing condition until sync() resolved it.
-EVENT_KEYS = frozenset({"engine_restarted", "suspended_engine_lost", "test"})
+EVENT_KEYS = frozenset({
+    "engine_restarted", "suspended_engine_lost", "test",
+    "gpu_xid_application", "gpu_xid_row_remap", "gpu_xid_unknown", "detector_widened", "detector_narrowed",
+})  # fmt: skip
 
 
 class Kind(enum.StrEnum):

@@ -50,6 +50,10 @@ WAITING = "vllm:num_requests_waiting"
 PREEMPTIONS = "vllm:num_preemptions_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
+REQUEST_SUCCESS = "vllm:request_success_total"
+# The finish reasons of a request the engine completed: it served. "abort" (the
+# client went away) and "error" do not say the engine works.
+SERVED_REASONS = ("stop", "length", "repetition")
 ITL = "vllm:inter_token_latency_seconds"
 ITL_OLD = "vllm:time_per_output_token_seconds"  # the same histogram's former name
 
@@ -65,6 +69,7 @@ WANTED_SAMPLES = (
     PREEMPTIONS,
     GENERATION_TOKENS,
     PROMPT_TOKENS,
+    REQUEST_SUCCESS,
     ITL + "_sum",
     ITL + "_count",
     ITL_OLD + "_sum",
@@ -322,6 +327,13 @@ def _total(chosen: Series, *names: str) -> float | None:
     return None
 
 
+def _served(chosen: Series) -> float | None:
+    """Completed requests summed over engines, of the finish reasons that mean the engine served."""
+    rows = chosen.get(REQUEST_SUCCESS, {})
+    values = _finite(value for labels, value in rows.items() if _label(labels, "finished_reason") in SERVED_REASONS)
+    return float(sum(values)) if values else None
+
+
 def _int_label(config: Labels, key: str) -> int | None:
     raw = _label(config, key)
     if raw is None:
@@ -368,6 +380,7 @@ def _build_sample(chosen: Series, configs: list[Labels], model_name: str) -> Met
         preemptions_total=_total(chosen, PREEMPTIONS),
         generation_tokens_total=_total(chosen, GENERATION_TOKENS),
         prompt_tokens_total=_total(chosen, PROMPT_TOKENS),
+        served_total=_served(chosen),
         kv_cache_size_tokens=_int_label(cache_config, "kv_cache_size_tokens"),
         cache_config=cache_config,
         itl_sum=itl_sum,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import requests
 
@@ -35,6 +36,9 @@ class InferenceProber:
         self._sample = InferenceProbeSample()
         self._generation = 0
         self._in_flight = False
+        # Every probe ever sent, across engines: the policy subtracts them from vLLM's
+        # completed requests, so a probe never counts as the engine having served.
+        self._sent_total = 0
         self._wake = wake  # set when a result arrives, so the loop acts on it at once
 
     def reset(self) -> None:
@@ -49,6 +53,7 @@ class InferenceProber:
             if self._in_flight:
                 return
             self._in_flight = True
+            self._sent_total += 1
             generation = self._generation
             self._sample = InferenceProbeSample(
                 sent_at=time.monotonic(),
@@ -131,7 +136,7 @@ class InferenceProber:
                     detail=f"no answer within {self._timeout:.0f} s (the request outlived its timeout)",
                     consecutive_failures=prev.consecutive_failures + 1,
                 )
-            return self._sample
+            return replace(self._sample, sent_total=self._sent_total)
 
 
 def _short(text: str) -> str:

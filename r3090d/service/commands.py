@@ -60,6 +60,12 @@ def answer(request: dict, pending: Pending, *, phase: Phase, generation: int, ex
         if phase is Phase.GIVEN_UP and not exit_on_give_up:
             pending.restart = RestartKind.FAST  # nothing is serving: nothing to drain
             return {"ok": True, "message": "starting the engine again after the give-up, from zero failures", "generation": generation}
+        if phase is Phase.RESET_NEEDED:
+            pending.restart = RestartKind.FAST  # the operator says the card is reset: clear the hold and start
+            return {"ok": True, "message": "clearing the GPU reset hold and starting the engine", "generation": generation}
+        if phase is Phase.WAITING_FOR_GPU:
+            pending.restart = RestartKind.FAST  # start now, without waiting for the room
+            return {"ok": True, "message": "starting the engine now, without waiting for the GPU memory", "generation": generation}
         if phase in SUSPEND_PHASES:
             return {"ok": False, "error": f"the engine is {phase.value}: r3090ctl resume first (a new engine needs the lent GPU memory too)"}
         if phase is not Phase.READY:

@@ -278,13 +278,22 @@ class Daemon:
                 forensics.mark_ready(self.last_restart_record, now - (st.last_restart_at or now))
                 self.last_restart_record = None
         if st.phase is Phase.GIVEN_UP and old_phase is not Phase.GIVEN_UP:
-            log.error("gave up: %s; the engine stays stopped, the daemon stays up (r3090ctl restart starts it again)", st.give_up_reason)
+            if self.cfg.daemon.exit_on_give_up:
+                log.error("gave up: %s; the daemon exits %d once the engine is stopped (daemon.exit_on_give_up)", st.give_up_reason, exitcodes.GAVE_UP)
+            elif st.retry_at is not None:
+                log.error("gave up: %s; the engine stays stopped, the daemon stays up; it tries again in %.0f s (watchdog.give_up_retry), "
+                          "r3090ctl restart starts it now", st.give_up_reason, st.retry_at - now)  # fmt: skip
+            else:
+                log.error("gave up: %s; the engine stays stopped, the daemon stays up (r3090ctl restart starts it again)", st.give_up_reason)
         if st.phase is Phase.STARTING and now - self._last_loading_log >= LOADING_LOG_EVERY_S:
             self._last_loading_log = now
             log.info("loading model (%.0f s)", now - st.phase_since)
         # A give-up or a suspension still lets the unit become active: the daemon is up,
         # alerting and answering, and `systemctl status` shows why through STATUS=.
-        active = st.phase in (Phase.READY, Phase.SUSPENDED) or (st.phase is Phase.GIVEN_UP and not self.cfg.daemon.exit_on_give_up)
+        # So does a wait for the card (held by others, or needing a reset): a boot that finds the
+        # card taken must not keep the unit "activating" for ever.
+        waiting = st.phase in (Phase.WAITING_FOR_GPU, Phase.RESET_NEEDED)
+        active = waiting or st.phase in (Phase.READY, Phase.SUSPENDED) or (st.phase is Phase.GIVEN_UP and not self.cfg.daemon.exit_on_give_up)
         self.notifier.tick(status_line(st, snap), active=active, busy=st.phase in (Phase.SHUTTING_DOWN, Phase.GIVEN_UP, Phase.DRAINING))
         self.write_state(st, snap, tick_s)
 

@@ -24,6 +24,8 @@ from r3090d.service.statedoc import (
     DaemonInfo,
     EngineInfo,
     FiringAlert,
+    GpuHolderInfo,
+    HealingInfo,
     PreflightSummary,
     ProbeInfo,
     RestartsInfo,
@@ -95,6 +97,24 @@ def report(
         preflight=preflight,
         telemetry=parse_section(Telemetry, telemetry) or Telemetry(),
         suspend=suspend,
+        healing=healing_info(st, cfg, offset),
+    )
+
+
+def healing_info(st: PolicyState, cfg: Config, offset: float) -> HealingInfo:
+    hold, wait = st.reset_hold, st.gpu_wait if st.phase is Phase.WAITING_FOR_GPU else None
+    return HealingInfo(
+        reset_hold=hold.reason if hold else None,
+        reset_hold_since=hold.since_wall if hold else None,
+        gpu_wait_holders=[GpuHolderInfo(h.pid, h.name, h.used_bytes) for h in wait.holders] if wait else [],
+        gpu_wait_need_bytes=wait.need if wait else None,
+        gpu_wait_free_bytes=wait.free if wait else None,
+        give_up_retry_s=0.0 if cfg.daemon.exit_on_give_up else cfg.watchdog.give_up_retry,
+        retry_attempts=st.retry_attempts,
+        next_retry_at=st.retry_at + offset if st.retry_at is not None else None,
+        start_succeeded=st.succeeded,
+        xid_by_class={cls.value: n for cls, n in st.xid_counts},
+        detector_scale={reason.value: scale for reason, scale in st.detector_scale},
     )
 
 
@@ -171,6 +191,10 @@ def status_line(st: PolicyState, snap: Snapshot) -> str:
         return f"loading model ({now - st.phase_since:.0f} s)"
     if st.phase is Phase.GIVEN_UP:
         return f"gave up, engine stopped: {st.give_up_reason}"
+    if st.phase is Phase.RESET_NEEDED and st.reset_hold is not None:
+        return f"engine stopped: the GPU needs a reset ({st.reset_hold.reason})"
+    if st.phase is Phase.WAITING_FOR_GPU and st.gpu_wait is not None:
+        return f"waiting for GPU memory: {st.gpu_wait.text()}"
     parts = [("maintenance " if st.maintenance else "") + st.phase.value]
     e = snap.metrics
     if e.kv_usage is not None:
@@ -203,5 +227,11 @@ def next_action(st: PolicyState, snap: Snapshot, cfg: Config) -> str | None:
     if st.phase is Phase.STARTING:
         return f"give up waiting for /health in {max(0.0, st.phase_since + cfg.engine.startup_timeout - snap.now):.0f} s"
     if st.phase is Phase.GIVEN_UP:
+        if st.retry_at is not None:
+            return f"automatic start attempt in {max(0.0, st.retry_at - snap.now):.0f} s (r3090ctl restart starts it now)"
         return "none until r3090ctl restart (after fixing the cause; r3090ctl reload applies a fixed config)"
+    if st.phase is Phase.RESET_NEEDED:
+        return "none until the GPU is reset and r3090ctl restart (or a reboot)"
+    if st.phase is Phase.WAITING_FOR_GPU:
+        return "start the engine as soon as the other processes free the GPU memory"
     return None

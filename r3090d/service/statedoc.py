@@ -117,6 +117,30 @@ class RestartsInfo:
 
 
 @dataclass(frozen=True)
+class GpuHolderInfo:
+    pid: int
+    name: str | None = None
+    used_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class HealingInfo:
+    """What keeps the engine from starting, and how the daemon heals by itself."""
+
+    reset_hold: str | None = None  # the card needs a reset: why (an XID, the driver's recovery action)
+    reset_hold_since: float | None = None  # wall clock
+    gpu_wait_holders: list[GpuHolderInfo] = field(default_factory=list)  # waiting-for-gpu: who holds the card
+    gpu_wait_need_bytes: int | None = None
+    gpu_wait_free_bytes: int | None = None
+    give_up_retry_s: float = 0.0  # watchdog.give_up_retry (0: none)
+    retry_attempts: int = 0  # automatic attempts since the give-up
+    next_retry_at: float | None = None  # wall clock of the next one
+    start_succeeded: bool = False  # this engine served, or was ready for min_uptime
+    xid_by_class: dict[str, int] = field(default_factory=dict)
+    detector_scale: dict[str, int] = field(default_factory=dict)  # widened fast detectors (absent: 1x)
+
+
+@dataclass(frozen=True)
 class ProbeInfo:
     ok: bool | None = None
     latency_s: float | None = None
@@ -278,6 +302,7 @@ class StateDocument:
     format: int = FORMAT_VERSION
     waiting: WaitingInfo | None = None
     suspend: SuspendInfo | None = None  # None: written by preflight, or by a daemon without suspend
+    healing: HealingInfo = field(default_factory=HealingInfo)
 
     def to_json(self) -> dict:
         return _to_json(self)

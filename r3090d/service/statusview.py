@@ -23,13 +23,13 @@ from r3090d.core.snapshot import GpuSample, GpuStatus
 from r3090d.core.suspension import Stage
 from r3090d.core.vocabulary import Phase, Severity
 from r3090d.service.statedoc import StateDocument, SuspendInfo, parse_section, view
-from r3090d.units import GIB
+from r3090d.units import GIB, MIB
 
 LABELS = {exitcodes.OK: "OK", exitcodes.WARNING: "WARNING", exitcodes.CRITICAL: "CRITICAL", exitcodes.UNKNOWN: "UNKNOWN"}
 RESTART_PHASES = frozenset({Phase.DRAINING, Phase.RESTARTING, Phase.BACKOFF})  # the verdict names the restart's reason
 # A suspension is asked for, like maintenance: not serving, but nothing is wrong.
-WARNING_PHASES = RESTART_PHASES | {Phase.STARTING, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING}
-CRITICAL_PHASES = frozenset({Phase.STOPPED, Phase.GIVEN_UP, Phase.SHUTTING_DOWN})
+WARNING_PHASES = RESTART_PHASES | {Phase.STARTING, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING, Phase.WAITING_FOR_GPU}
+CRITICAL_PHASES = frozenset({Phase.STOPPED, Phase.GIVEN_UP, Phase.SHUTTING_DOWN, Phase.RESET_NEEDED})
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,14 @@ def verdict_of(doc: StateDocument | dict | None, *, running: bool, now: float) -
     engine = d.engine
     crit: list[str] = []
     warn: list[str] = []
+    heal = d.healing
     if engine.phase is Phase.GIVEN_UP:
         crit.append(f"gave up: {d.give_up_reason or 'too many restarts'}")
+    elif engine.phase is Phase.RESET_NEEDED:
+        crit.append(f"the GPU needs a reset: {heal.reset_hold or 'unknown reason'}; then r3090ctl restart")
+    elif engine.phase is Phase.WAITING_FOR_GPU:
+        who = ", ".join(f"pid {h.pid} ({h.name or '?'}, {_mib(h.used_bytes)})" for h in heal.gpu_wait_holders) or "others"
+        warn.append(f"engine waiting for GPU memory held by {who}")
     elif engine.phase in CRITICAL_PHASES:
         crit.append(f"engine {engine.phase}")
     elif engine.phase in WARNING_PHASES:
@@ -106,6 +112,10 @@ def clock(wall: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall))
 
 
+def _mib(n: int | None) -> str:
+    return "? MiB" if n is None else f"{n / MIB:.0f} MiB"
+
+
 def _num(v, fmt="{:.0f}") -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -132,8 +142,16 @@ def panel(doc: StateDocument | dict, verdict: HealthVerdict, now: float, *, note
     off = d.watch.gpu_signal_off
     if off and engine.phase is Phase.READY:
         lines.append(f"GPU view   not used: {off}; freezes are found by the counters and the probe")
+    heal = d.healing
+    if heal.reset_hold:
+        lines.append(f"GPU reset  needed since {clock(heal.reset_hold_since)}: {heal.reset_hold}")
+    if heal.gpu_wait_holders:
+        who = ", ".join(f"pid {h.pid} ({h.name or '?'}, {_mib(h.used_bytes)})" for h in heal.gpu_wait_holders)
+        lines.append(f"GPU held   by {who}: {_mib(heal.gpu_wait_free_bytes)} free, {_mib(heal.gpu_wait_need_bytes)} needed")
     if d.give_up_reason:
         lines.append(f"Gave up    {d.give_up_reason}")
+        if heal.next_retry_at is not None:
+            lines.append(f"Retry      attempt {heal.retry_attempts + 1} at {clock(heal.next_retry_at)} (watchdog.give_up_retry)")
     elif restarts.last_root_cause:
         lines.append(f"Last cause {restarts.last_root_cause}")
     usage = metrics.kv_usage

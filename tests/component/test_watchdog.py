@@ -132,7 +132,7 @@ def test_frozen_engine_core_is_found_by_the_active_probe(run_daemon, tmp_path, f
 
     assert httpx.get(fake.url + "/health", timeout=2).status_code == 200
     st = d.wait_for(lambda s: s["restarts"]["total"] >= 1 and s, 30, "a stall restart")
-    assert st["restarts"]["last_reason"] == "stalled"
+    assert st["restarts"]["last_reason"] == "probe_failed"
     assert "inference probes failed" in d.log()
     detect = st["restarts"]["last_at"] - t_freeze
     # Two probes that each time out (1 s), after at most probe_idle_seconds of no tokens.

@@ -102,14 +102,14 @@ def test_supervises_real_vllm_orphans_frozen_core_and_drained_stop(vllm_lock, vl
         assert group_members(main) == []
         print(f"orphans gone {1000 * (seen['new_first_seen'] - seen['old_last_alive']):.1f} ms before the new vLLM started")
 
-        # 2. SIGSTOP of EngineCore: /health stays 200; the active probe finds it; restart "stalled".
+        # 2. SIGSTOP of EngineCore: /health stays 200; the active probe finds it; restart "probe_failed".
         main = st["engine"]["pid"]
         core = engine_tree(main)["VLLM::EngineCore"]
         time.sleep(1.0)
         t_freeze = time.time()
         os.kill(core, signal.SIGSTOP)
         assert httpx.get(url + "/health", timeout=5).status_code == 200
-        st = d.wait_for(lambda s: s["restarts"]["last_reason"] == "stalled" and s, 120, "a stall restart")
+        st = d.wait_for(lambda s: s["restarts"]["last_reason"] == "probe_failed" and s, 120, "a probe-failure restart")
         detect = st["restarts"]["last_at"] - t_freeze
         bound = idle + failures * probe_timeout + poll
         st = d.wait_ready(timeout=READY_TIMEOUT, generation_pid=main)

@@ -256,7 +256,7 @@ def test_given_up_stays_up_until_an_operator_restart_then_resolves_on_ready():
 
 
 def test_exit_on_give_up_restores_exit_79():
-    c = bare_config(watchdog={"start_failures": 1}, daemon={"exit_on_give_up": True})
+    c = bare_config(watchdog={"start_failures": 1, "give_up_retry": 0}, daemon={"exit_on_give_up": True})
     st = given_up_state(c)
     acts, st = policy.decide(snap(5, ch=ChildSample(pid=1, alive=False, generation=1)), st, c, 5)
     assert Exit(code=exitcodes.GAVE_UP, reason=st.give_up_reason) in acts
@@ -403,7 +403,7 @@ def test_active_probe_sent_when_idle_and_two_failures_restart():
     assert st.phase is Phase.READY
     fail2 = InferenceProbeSample(sent_at=82, finished_at=102, ok=False, detail="timeout", consecutive_failures=2)
     acts, st = policy.decide(snap(103, metrics=idle, inference=fail2), st, c, 103)
-    assert st.restart_reason == "stalled"
+    assert st.restart_reason == "probe_failed"
 
 
 def test_probe_skipped_while_traffic_progresses():
@@ -625,7 +625,7 @@ def test_a_probe_that_queued_behind_a_long_prefill_does_not_count_as_a_freeze():
         acts, st = policy.decide(snap(t, metrics=idle), st, c, t)
     acts, st = policy.decide(snap(11, metrics=idle, inference=first), st, c, 11)
     acts, st = policy.decide(snap(15, metrics=idle, inference=second), st, c, 15)
-    assert st.restart_reason == "stalled"
+    assert st.restart_reason == "probe_failed"
 
 
 def test_the_same_last_line_is_not_the_same_cause():
