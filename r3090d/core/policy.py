@@ -253,7 +253,7 @@ def start_gate(snap: Snapshot, st: PolicyState, cfg: Config, now: float, *, auto
         return Phase.BACKOFF
     if not cfg.gpu.required or not automatic:
         return None
-    if st.death_at is not None and g.usable and g.taken_at is not None and g.taken_at <= st.death_at and now - st.death_at < FRESH_SAMPLE_WAIT_S:
+    if _reading_predates_death(st, snap) and now - st.death_at < FRESH_SAMPLE_WAIT_S:
         return st.phase  # an NVML reading after the death first (asked for below)
     room = engine_room(g, cfg, snap.child.tree_pids, snap.process_names)
     if room is not None and not room.fits and room.holders:
@@ -261,15 +261,19 @@ def start_gate(snap: Snapshot, st: PolicyState, cfg: Config, now: float, *, auto
     return None
 
 
+def _reading_predates_death(st: PolicyState, snap: Snapshot) -> bool:
+    g = snap.gpu
+    return st.death_at is not None and g.usable and g.taken_at is not None and g.taken_at < st.death_at
+
+
 def _start(snap, st, cfg, now, actions, reason: str, *, automatic: bool, **changes) -> PolicyState:
     """Start an engine through the gate, or wait where the gate says."""
     st = replace(st, **changes) if changes else st
     wait = start_gate(snap, st, cfg, now, automatic=automatic)
     if wait is not None:
-        g = snap.gpu
-        if st.death_at is not None and g.usable and g.taken_at is not None and g.taken_at <= st.death_at:
+        if _reading_predates_death(st, snap):
             actions.append(RequestGpuSample())
-        room = engine_room(g, cfg, snap.child.tree_pids, snap.process_names) if wait is Phase.WAITING_FOR_GPU else None
+        room = engine_room(snap.gpu, cfg, snap.child.tree_pids, snap.process_names) if wait is Phase.WAITING_FOR_GPU else None
         st = replace(st, gpu_wait=room, start_pending=reason)
         return st if st.phase is wait else _to(st, wait, now)
     actions.append(StartEngine(reason=reason))
@@ -435,7 +439,8 @@ def _fail(snap, st, cfg, now, actions, events, reason, detail, *, drain) -> Poli
     """A failure: restart, at once after a successful start, else with backoff, or give up."""
     cause = snap.child.root_cause if not snap.child.alive else None
     certain = cause is not None and snap.child.root_cause_certain
-    st = replace(st, death_at=now if not snap.child.alive else st.death_at)
+    if not snap.child.alive:
+        st = replace(st, death_at=snap.child.exited_at if snap.child.exited_at is not None else now)
     st = _widen_detector(st, cfg, reason, events)
     if st.succeeded or _healthy_for(st, cfg, now):
         # A recoverable failure: restart at once, for ever; the same certain cause again and again backs off, capped.
