@@ -60,7 +60,7 @@ from r3090d.core.actions import (
 from r3090d.core.room import Room, engine_room
 from r3090d.core.snapshot import HealthStatus, Snapshot
 from r3090d.core.suspension import Result, SuspendResult, Suspension
-from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartKind, RestartReason, Severity
+from r3090d.core.vocabulary import FAST_DETECTORS, SUSPEND_PHASES, Phase, RestartKind, RestartReason, Severity
 from r3090d.core.xid import HOLDING_ACTIONS, RESET_PROCEDURE, ResetHold, XidClass, classify, describe
 
 # How long to wait for NVML to stop listing processes of the old tree once
@@ -68,8 +68,7 @@ from r3090d.core.xid import HOLDING_ACTIONS, RESET_PROCEDURE, ResetHold, XidClas
 VRAM_RELEASE_WAIT_S = 30.0
 # How long a start after a death waits for an NVML reading taken after it, at most.
 FRESH_SAMPLE_WAIT_S = 10.0
-# The fast freeze detectors, and how far their windows may widen.
-FAST_DETECTORS = (RestartReason.GPU_IDLE, RestartReason.STALLED)
+# How far the fast freeze detectors' windows may widen.
 MAX_DETECTOR_SCALE = 8
 
 

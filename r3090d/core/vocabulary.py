@@ -57,6 +57,10 @@ class RestartReason(enum.StrEnum):
     RESUME_FAILED = "resume_failed"  # restore failed, or the resumed engine did not pass /health and a probe
 
 
+# The fast freeze detectors: their windows widen when they trip twice in a row (core.policy).
+FAST_DETECTORS = (RestartReason.GPU_IDLE, RestartReason.STALLED)
+
+
 class Severity(enum.StrEnum):
     """How bad an alert is: the syslog priority, the email's subject, Alertmanager's `severity` label."""
 

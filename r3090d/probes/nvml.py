@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from r3090d.core.snapshot import GpuProcess, GpuSample, GpuStatus
+from r3090d.core.xid import RECOVERY_ACTION_CODES, RecoveryAction
 
 # NVML return codes by the suffix of pynvml's NVML_ERROR_<NAME> constants.
 NOT_AVAILABLE_ERRORS = frozenset({"NOT_SUPPORTED", "FUNCTION_NOT_FOUND", "NO_DATA"})
@@ -159,7 +160,10 @@ class _NvmlSession:
                     return failed
             return self._read()
         except _GpuLost as exc:
-            return self._sample(GpuStatus.LOST, f"GPU lost ({exc}); a reboot is needed", lost=True)
+            # Open NVML afresh at the next poll: a card that comes back (a reset) is seen again.
+            self.close()
+            self.handle = None
+            return self._sample(GpuStatus.LOST, f"GPU lost ({exc}); a reset or a reboot is needed", lost=True)
 
     def _open(self) -> GpuSample | None:
         if not self.initialized:
@@ -264,8 +268,34 @@ class _NvmlSession:
             graphics_processes=_processes(graphics),
         )
         self._drain_xids()
+        values["recovery_action"] = self._recovery_action(h)
         detail = f"{len(self.errors)} NVML read(s) failed" if self.errors else ""
         return self._sample(GpuStatus.OK, detail, **values)
+
+    def _recovery_action(self, h) -> RecoveryAction | None:
+        """The driver's own verdict on what the GPU needs (driver 565+); None where it gives none.
+
+        Each field of nvmlDeviceGetFieldValues carries its own return code: NotSupported
+        (GeForce cards, older drivers) is no verdict, not an error.
+        """
+        field_id = getattr(self.nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)  # absent from older nvidia-ml-py
+        if field_id is None:
+            return None
+        values = self._call("nvmlDeviceGetFieldValues", h, [field_id])
+        if not values:
+            return None
+        value = values[0]
+        code = int(getattr(value, "nvmlReturn", -1))
+        if code != getattr(self.nvml, "NVML_SUCCESS", 0):
+            name = self._code_names.get(code, f"CODE_{code}")
+            if name not in NOT_AVAILABLE_ERRORS:
+                self.errors.append(f"nvmlDeviceGetFieldValues(GPU_RECOVERY_ACTION): {name}")
+            return None
+        raw = getattr(getattr(value, "value", None), "uiVal", None)
+        action = RECOVERY_ACTION_CODES.get(int(raw)) if isinstance(raw, int) else None
+        if action is None:
+            self.errors.append(f"nvmlDeviceGetFieldValues(GPU_RECOVERY_ACTION): unknown value {raw!r}")
+        return action
 
     def _drain_xids(self) -> None:
         if self.event_set is None:

@@ -298,7 +298,7 @@ class Daemon:
         self.write_state(st, snap, tick_s)
 
     def write_state(self, st: policy.PolicyState, snap: Snapshot, tick_s: float) -> None:
-        self.tick_stats.observe(tick_s, snap.gpu.xid_errors)
+        self.tick_stats.observe(tick_s)
         doc = report(st, snap, self.cfg, identity=self.identity, offset=self.offset, written_at=time.time(), tick_s=tick_s,
                      preflight=self.preflight_summary, telemetry=self.tick_stats.to_json(),
                      suspend=self.suspend.publish(st, snap, self.offset)).to_json()  # fmt: skip

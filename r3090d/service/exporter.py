@@ -33,7 +33,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import choose_encoder
 
 from r3090d.core.snapshot import CLOCK_EVENT_REASONS, GpuSample, GpuStatus, HealthStatus
-from r3090d.core.vocabulary import Phase, RestartReason
+from r3090d.core.vocabulary import FAST_DETECTORS, Phase, RestartReason
+from r3090d.core.xid import XidClass
 from r3090d.service.httpserver import HttpReply, HttpRequest, _HttpServer, text_reply
 from r3090d.service.statedoc import StateDocument, view
 
@@ -56,16 +57,14 @@ class TickStats:
         self.counts = [0] * len(buckets)  # per bucket, not cumulative
         self.count = 0
         self.sum = 0.0
-        self.xid_errors_total = 0
 
-    def observe(self, tick_s: float, xid_errors: tuple[int, ...] = ()) -> None:
+    def observe(self, tick_s: float) -> None:
         for i, upper in enumerate(self.buckets):
             if tick_s <= upper:
                 self.counts[i] += 1
                 break
         self.count += 1
         self.sum += tick_s
-        self.xid_errors_total += len(xid_errors)
 
     def to_json(self) -> dict:
         cumulative, running = [], 0
@@ -74,7 +73,6 @@ class TickStats:
             cumulative.append([upper, running])
         return {
             "poll_duration_seconds": {"buckets": cumulative, "count": self.count, "sum": round(self.sum, 6)},
-            "xid_errors_total": self.xid_errors_total,
         }
 
 
@@ -135,6 +133,34 @@ def healthz(doc: StateDocument | dict | None, now: float) -> tuple[int, str]:
 
 # ------------------------------------------------------------------ metrics
 
+
+def _healing_families(d: StateDocument) -> list:
+    """What holds starts, and what heals by itself: gauges that stay put while a condition lasts."""
+    heal, engine = d.healing, d.engine
+    given_up = engine.phase is Phase.GIVEN_UP or (d.give_up_reason is not None and not heal.start_succeeded)
+    out = []
+    for name, help_, value in (
+        ("r3090d_engine_given_up", "1 from a give-up until an engine succeeds again (automatic attempts do not clear it)", 1 if given_up else 0),
+        ("r3090d_give_up_retry_attempts", "automatic start attempts since the give-up (watchdog.give_up_retry)", heal.retry_attempts),
+        ("r3090d_give_up_next_attempt_timestamp_seconds", "Unix time of the next automatic start attempt (absent: none due)", heal.next_retry_at),
+        ("r3090d_gpu_reset_needed", "1 while no engine may start until the GPU is reset (an XID, or the driver's recovery action)", 1 if heal.reset_hold else 0),
+        ("r3090d_engine_waiting_for_gpu", "1 while an automatic start waits for other processes to free GPU memory", 1 if engine.phase is Phase.WAITING_FOR_GPU else 0),
+    ):
+        fam = GaugeMetricFamily(name, help_)
+        if value is not None:
+            fam.add_metric([], float(value))
+        out.append(fam)
+    xids = CounterMetricFamily("r3090d_xid_errors", "XID errors NVML reported since the daemon started, by class", labels=["class"])
+    for cls in XidClass:
+        xids.add_metric([cls.value], float(heal.xid_by_class.get(cls.value, 0)))
+    out.append(xids)
+    scale = GaugeMetricFamily("r3090d_detector_window_scale", "a fast freeze detector's window as a multiple of its setting (widened after repeated trips)", labels=["detector"])
+    for reason in FAST_DETECTORS:
+        scale.add_metric([reason.value], float(heal.detector_scale.get(reason.value, 1)))
+    out.append(scale)
+    return out
+
+
 # Stands in for a GPU that cannot be read (or is not watched): every measurement unknown, so its gauges are left out.
 NO_READING = GpuSample(GpuStatus.DISABLED)
 
@@ -187,6 +213,7 @@ def families(doc: StateDocument | dict | None, now: float) -> list:
         counter.add_metric([reason], float(n))
     out.append(counter)
     gauge("r3090d_restart_backoff_level", "consecutive restarts without a stable period", restarts.backoff_level)
+    out.extend(_healing_families(d))
 
     gauge("r3090d_kv_free_blocks", "free KV cache blocks: (num_gpu_blocks - 1) x (1 - usage)", metrics.free_blocks)
     gauge("r3090d_kv_free_blocks_threshold", "the KV rule's bound (watchdog.min_free_blocks): fewer free blocks than this is low", thresholds.kv_min_free_blocks)
@@ -216,9 +243,6 @@ def families(doc: StateDocument | dict | None, now: float) -> list:
         for reason in CLOCK_EVENT_REASONS + tuple(r for r in present if r not in CLOCK_EVENT_REASONS):
             clocks.add_metric([reason], 1.0 if reason in present else 0.0)
     out.append(clocks)
-    xid = CounterMetricFamily("r3090d_xid_errors", "XID critical-error events seen since the daemon started")
-    xid.add_metric([], float(d.telemetry.xid_errors_total))
-    out.append(xid)
 
     firing, book = d.alerts.firing, d.alert_book.entries
     fam = GaugeMetricFamily("r3090d_alerts_firing", "1 while an alert is firing (0: known, not firing)", labels=["alert", "severity"])

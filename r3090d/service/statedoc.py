@@ -210,7 +210,6 @@ class Histogram:
 @dataclass(frozen=True)
 class Telemetry:
     poll_duration_seconds: Histogram | None = None
-    xid_errors_total: int = 0
 
 
 # A suspension stands in these stages: the engine's GPU memory is in its host memory (or, cold, there is no

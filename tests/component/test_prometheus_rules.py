@@ -40,7 +40,7 @@ needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="pr
 def exported_names() -> set[str]:
     """Every sample name the exporter can produce, from a document with every field filled in."""
     stats = exporter.TickStats()
-    stats.observe(0.01, (79,))
+    stats.observe(0.01)
     doc = {
         "written_at": 0.0,
         "daemon": {"version": "x", "poll_interval": 2.0},
@@ -64,6 +64,7 @@ def exported_names() -> set[str]:
         "alerts": {"firing": {"a": {"severity": "critical"}}, "silenced": {"a": 10.0}},
         "telemetry": stats.to_json(),
         "suspend": {"stage": "suspended", "since": 0.0, "gpu_bytes": 1, "host_rss_bytes": 2},
+        "healing": {"reset_hold": "XID 79", "retry_attempts": 1, "next_retry_at": 5.0, "xid_by_class": {"reset": 1}},
     }
     registry = CollectorRegistry(auto_describe=False)
     registry.register(exporter.StateCollector(lambda: doc, clock=lambda: 1.0))
@@ -247,10 +248,11 @@ CASES = [
     ),
     AlertCase(
         "R3090dEngineGaveUp",
-        series=((sel("r3090d_engine_state", FIRING, state="given-up"), "0 0 1+0x30"),),
-        quiet=((sel("r3090d_engine_state", QUIET, state="backoff"), "0 0 1+0x30"),),
+        # Through an automatic attempt the phase leaves given-up for minutes; the gauge stays 1.
+        series=((sel("r3090d_engine_given_up", FIRING), "0 0 1+0x30"), (sel("r3090d_engine_state", FIRING, state="given-up"), "0 0 1 1 0 0 0 1+0x30")),
+        quiet=((sel("r3090d_engine_given_up", QUIET), "0+0x30"), (sel("r3090d_engine_state", QUIET, state="backoff"), "0 0 1+0x30")),
         start=2,
-        labels={**FIRING_JOB, "state": "given-up"},
+        labels=FIRING_JOB,
         annotations={"summary": "r3090d on gpu0 gave up on the engine"},
     ),
     AlertCase(
@@ -323,12 +325,23 @@ CASES = [
     ),
     AlertCase(
         "R3090dGpuXidErrors",
-        series=((sel("r3090d_xid_errors_total", FIRING), "0 0 0 1+0x40"),),
-        quiet=((sel("r3090d_xid_errors_total", QUIET), "5+0x40"),),  # errors from before the window
+        series=((sel("r3090d_xid_errors_total", FIRING, **{"class": "application"}), "0 0 0 1+0x40"),),
+        quiet=(  # errors from before the window, and the reset class (R3090dGpuResetNeeded's)
+            (sel("r3090d_xid_errors_total", QUIET, **{"class": "application"}), "5+0x40"),
+            (sel("r3090d_xid_errors_total", QUIET, **{"class": "reset"}), "0 0 0 1+0x40"),
+        ),
         start=3,
-        labels=FIRING_JOB,
-        annotations={"summary": "XID critical errors on the GPU behind gpu0"},
+        labels={"instance": FIRING},
+        annotations={"summary": "XID errors on the GPU behind gpu0 (no reset needed)"},
         resolved=18,  # 15 min after the error's first sample
+    ),
+    AlertCase(
+        "R3090dGpuResetNeeded",
+        series=((sel("r3090d_gpu_reset_needed", FIRING), "0 0 1+0x30"),),
+        quiet=((sel("r3090d_gpu_reset_needed", QUIET), "0+0x30"),),
+        start=2,
+        labels=FIRING_JOB,
+        annotations={"summary": "the GPU behind gpu0 needs a reset; no engine starts until then"},
     ),
     AlertCase(
         "R3090dGpuMemoryHigh",

@@ -182,8 +182,9 @@ def test_metrics_from_a_state_document():
     stats = exporter.TickStats()
     for t in (0.004, 0.02, 0.02, 0.3, 12.0):
         stats.observe(t)
-    stats.observe(0.01, xid_errors=(79, 48))
+    stats.observe(0.01)
     d = doc(firing={"gpu_memory": {"severity": "warning"}}, telemetry=stats.to_json())
+    d["healing"] = {"xid_by_class": {"application": 2, "reset": 1}, "detector_scale": {"gpu_idle": 4}, "reset_hold": "XID 79"}
     d["alert_book"]["entries"]["kv_pressure"] = {"severity": "warning", "firing": False}
     m = scrape(d)
     assert m[("r3090d_engine_up", ())] == 1
@@ -197,7 +198,13 @@ def test_metrics_from_a_state_document():
     assert m[("r3090d_gpu_memory_used_bytes", ())] == 21 * 2**30
     assert m[("r3090d_gpu_temperature_celsius", ())] == 71
     assert m[("r3090d_gpu_utilization_ratio", ())] == 0.87
-    assert m[("r3090d_xid_errors_total", ())] == 2
+    assert m[("r3090d_xid_errors_total", (("class", "application"),))] == 2
+    assert m[("r3090d_xid_errors_total", (("class", "reset"),))] == 1
+    assert m[("r3090d_xid_errors_total", (("class", "unknown"),))] == 0
+    assert m[("r3090d_gpu_reset_needed", ())] == 1
+    assert m[("r3090d_detector_window_scale", (("detector", "gpu_idle"),))] == 4
+    assert m[("r3090d_detector_window_scale", (("detector", "stalled"),))] == 1
+    assert m[("r3090d_engine_given_up", ())] == 0
     assert m[("r3090d_alerts_firing", (("alert", "gpu_memory"), ("severity", "warning")))] == 1
     assert m[("r3090d_alerts_firing", (("alert", "kv_pressure"), ("severity", "warning")))] == 0
     assert m[("r3090d_poll_duration_seconds_count", ())] == 6

@@ -388,3 +388,55 @@ def _imports_pynvml(path: Path) -> bool:
 def test_only_the_probe_imports_pynvml():
     importers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if _imports_pynvml(p))
     assert importers == ["probes/nvml.py"]
+
+
+# ------------------------------------------------------------------ the driver's recovery action
+
+
+def field_values(action=None, code=None):
+    """nvmlDeviceGetFieldValues as the driver answers it: a return code per field."""
+
+    def call(h, ids):
+        assert ids == [real.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION]
+        rc = code if code is not None else (real.NVML_SUCCESS if action is not None else real.NVML_ERROR_NOT_SUPPORTED)
+        return [SimpleNamespace(fieldId=ids[0], nvmlReturn=rc, value=SimpleNamespace(uiVal=action or 0))]
+
+    return call
+
+
+@pytest.mark.parametrize("code, expected", [(0, "none"), (1, "gpu_reset"), (2, "node_reboot"), (3, "drain_p2p"), (4, "drain_and_reset")])
+def test_the_recovery_action_field_is_read(code, expected):
+    s = read(rtx3090(nvmlDeviceGetFieldValues=field_values(code)))
+    assert s.recovery_action is not None and s.recovery_action.value == expected and not s.field_errors
+
+
+def test_a_recovery_action_not_supported_is_no_verdict_and_no_error():
+    s = read(rtx3090(nvmlDeviceGetFieldValues=field_values(None)))
+    assert s.recovery_action is None and not any("RECOVERY" in e for e in s.field_errors)
+    s = read(rtx3090())  # a binding or a driver without nvmlDeviceGetFieldValues
+    assert s.recovery_action is None and s.status is GpuStatus.OK
+
+
+def test_a_recovery_action_field_that_fails_otherwise_is_recorded():
+    s = read(rtx3090(nvmlDeviceGetFieldValues=field_values(code=real.NVML_ERROR_NO_PERMISSION)))
+    assert s.recovery_action is None and any("GPU_RECOVERY_ACTION" in e and "NO_PERMISSION" in e for e in s.field_errors)
+
+
+def test_after_a_lost_gpu_nvml_is_opened_afresh_so_a_card_that_comes_back_is_seen():
+    lost = {"now": True}
+
+    def power(h):
+        if lost["now"]:
+            raise err("GPU_IS_LOST")
+        return 215_500
+
+    fake = rtx3090(nvmlDeviceGetPowerUsage=power)
+    mon = probe.NvmlMonitor(0, 5.0, nvml=fake)
+    try:
+        assert mon.wait_sample(5).status is GpuStatus.LOST
+        inits = fake.calls.count("nvmlInit")
+        lost["now"] = False  # the card was reset
+        assert mon.wait_sample(5).status is GpuStatus.OK
+        assert fake.calls.count("nvmlInit") == inits + 1 and "nvmlShutdown" in fake.calls
+    finally:
+        mon.close()

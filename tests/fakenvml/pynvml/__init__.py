@@ -7,6 +7,12 @@ are replaced. The card is described by the JSON file named in
 $R3090D_FAKE_NVML, re-read on every call, so a test can change what the card
 reports (memory used, a lost GPU) while the daemon runs.
 
+`"xids": [31, 79]` in the card are XID events, each delivered once by
+nvmlEventSetWait in order (append to the list to raise another).
+`"recovery_action": N` is what nvmlDeviceGetFieldValues answers for the GPU
+recovery action field; without it that field answers NotSupported, as on a
+GeForce card.
+
 `"hang": true` in the card makes every call that reads the card block, as a
 driver stuck in D state does, until the key is cleared (write the file
 atomically: a half-written file reads as still hanging).
@@ -171,8 +177,27 @@ def nvmlDeviceRegisterEvents(handle, types, event_set):
     pass
 
 
+_xids_delivered = 0  # how many of the card's "xids" this process has handed out
+
+
 def nvmlEventSetWait(event_set, timeout_ms):
-    raise NVMLError(_real.NVML_ERROR_TIMEOUT)
+    global _xids_delivered
+    xids = _card().get("xids", [])
+    if _xids_delivered >= len(xids):
+        raise NVMLError(_real.NVML_ERROR_TIMEOUT)
+    xid = xids[_xids_delivered]
+    _xids_delivered += 1
+    return SimpleNamespace(eventType=_real.nvmlEventTypeXidCriticalError, eventData=xid)
+
+
+def nvmlDeviceGetFieldValues(handle, field_ids):
+    card = _card()
+    out = []
+    for field_id in field_ids:
+        action = card.get("recovery_action") if field_id == getattr(_real, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None) else None
+        code = _real.NVML_SUCCESS if action is not None else _real.NVML_ERROR_NOT_SUPPORTED
+        out.append(SimpleNamespace(fieldId=field_id, nvmlReturn=code, value=SimpleNamespace(uiVal=action or 0)))
+    return out
 
 
 def nvmlEventSetFree(event_set):
