@@ -29,7 +29,7 @@ from r3090d.effectors import alertformat
 from r3090d.effectors.child import DRAIN_MARGIN_S, EngineProcess
 from r3090d.effectors.reaper import ChildReaper
 from r3090d.effectors.systemd import Notifier, watchdog_warning
-from r3090d.service import commands, forensics, safedir
+from r3090d.service import commands, forensics, resethold, safedir
 from r3090d.service.control import start_plane
 from r3090d.service.exporter import TickStats
 from r3090d.service.preflight_runner import PreflightRunner
@@ -77,7 +77,8 @@ class Daemon:
         self.control_queue: queue.SimpleQueue = queue.SimpleQueue()
         self.latest_doc: dict | None = None  # the last state document written
         self.gpu_identity: tuple | None = None  # (name, index, uuid) named in alerts, once NVML has answered
-        self.tick_stats = TickStats()  # tick-duration histogram and XID count for the exporter
+        self.tick_stats = TickStats()  # tick-duration histogram for the exporter
+        self.boot_id = resethold.boot_id()
         self.st = policy.initial_state(time.monotonic())
         self._last_loading_log = 0.0
 
@@ -212,7 +213,11 @@ class Daemon:
                 self._close_helpers()
                 return code
         previous = read_json(self.state_path) or {}
-        self.st = dataclasses.replace(self.st, alerts=book_from_json(previous.get("alert_book"), self.offset))
+        self.st = dataclasses.replace(self.st, alerts=book_from_json(previous.get("alert_book"), self.offset),
+                                      reset_hold=resethold.load(self.state_dir, boot=self.boot_id))  # fmt: skip
+        if self.st.reset_hold is not None:
+            log.error("the GPU needs a reset (%s, recorded by an earlier daemon of this boot): no engine starts until "
+                      "r3090ctl restart", self.st.reset_hold.reason)  # fmt: skip
         code = None
         plane = start_plane(self)
         try:
@@ -223,8 +228,10 @@ class Daemon:
                 self._handle_control()
                 tick_start = time.monotonic()
                 snap = self.snapshot(self.st)
-                old_phase = self.st.phase
+                old_phase, old_hold = self.st.phase, self.st.reset_hold
                 actions, self.st = policy.decide(snap, self.st, self.cfg, snap.now)
+                if self.st.reset_hold != old_hold:
+                    resethold.save(self.state_dir, self.st.reset_hold, boot=self.boot_id)
                 code = self.execute(actions, snap)
                 if self.alerts is not None:
                     # Alertmanager's channel re-sends what fires on its own clock, local silences and rate limits aside.

@@ -1,0 +1,124 @@
+"""Self-healing, end to end: the daemon with the vLLM double and the fake NVML.
+
+An application XID after a crash is a warning and a restart; XID 79 holds every
+start (status CRITICAL, the reason named) until `r3090ctl restart`; the driver's
+recovery action holds on an XID outside the table; a foreign holder across a
+crash makes the restart wait, named, then start with no start failure counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.ctl_harness import ctl, ctl_json
+from tests.daemon_harness import group_members
+
+pytestmark = pytest.mark.component
+
+FAKE_NVML = Path(__file__).resolve().parents[1] / "fakenvml"
+ENGINE_MIB = 8000
+
+
+@pytest.fixture
+def healing(make_daemon, tmp_path, monkeypatch):
+    """A ready daemon watching a fake card; yields (daemon, card) where card(**fields) rewrites the card."""
+    path = tmp_path / "card.json"
+    fields: dict = {"util": 50, "processes": [], "graphics_processes": [], "xids": []}
+
+    def card(**changes) -> dict:
+        fields.update(changes)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(fields))
+        tmp.replace(path)  # atomic: the fake re-reads the file on every call
+        return fields
+
+    card()
+    monkeypatch.setenv("PYTHONPATH", f"{FAKE_NVML}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("R3090D_FAKE_NVML", str(path))
+    d = make_daemon(args=("--skip-preflight",), watchdog={"poll_interval": 0.3, "min_uptime": 1.0, "backoff_initial": 0.5,
+                                                          "stall_seconds": 600, "probe_idle_seconds": 600})  # fmt: skip
+    d.rewrite(gpu={"required": True, "card": "any"})
+    d.start()
+    st = d.wait_ready(timeout=60)
+    # The engine holds the card as NVML would list it, and has been up min_uptime: its start succeeded.
+    card(processes=[[p, ENGINE_MIB // 2] for p in group_members(st["engine"]["pid"])[:2]], memory_used_mib=ENGINE_MIB)
+    d.proc.wait_for(lambda s: s["healing"]["start_succeeded"], 30, "the start succeeded")
+    yield d, card
+
+
+def kill_engine(d, card, **card_changes) -> int:
+    """SIGKILL the engine's API server; its process group goes with it; the card changes as the driver would say."""
+    st = d.state()
+    pid = st["engine"]["pid"]
+    card(**{"processes": [], "memory_used_mib": 0, **card_changes})
+    os.killpg(pid, signal.SIGKILL)
+    return pid
+
+
+def test_an_application_xid_right_after_a_crash_is_a_warning_and_the_engine_restarts(healing):
+    d, card = healing
+    old = kill_engine(d, card, xids=[31])
+    st = d.wait_ready(timeout=60, old_pid=old)
+    assert st["healing"]["xid_by_class"] == {"application": 1} and st["healing"]["reset_hold"] is None
+    assert st["restarts"]["start_failures"] == 0
+    assert "alert gpu_xid_application firing: XID 31 (GPU memory page fault)" in d.log()
+
+
+def test_xid_43_during_the_fast_stop_of_a_frozen_engine_is_restarted(healing):
+    d, card = healing
+    st = d.state()
+    pid = st["engine"]["pid"]
+    os.kill(pid, signal.SIGSTOP)  # /health times out: hung, a fast stop
+    d.proc.wait_for(lambda s: s["engine"]["phase"] != "ready", 60, "the hang found")
+    card(processes=[], memory_used_mib=0, xids=[43, 45])
+    st = d.wait_ready(timeout=60, old_pid=pid)
+    assert st["restarts"]["last_reason"] == "hung" and st["healing"]["reset_hold"] is None
+    assert st["healing"]["xid_by_class"] == {"application": 2}
+
+
+def test_xid_79_holds_every_start_until_r3090ctl_restart(healing):
+    d, card = healing
+    kill_engine(d, card, xids=[79])
+    st = d.wait_phase("reset-needed", timeout=60)
+    assert "XID 79 (GPU has fallen off the bus)" in st["healing"]["reset_hold"]
+    out = ctl(d.config, "status")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "the GPU needs a reset: XID 79 (GPU has fallen off the bus)" in out.stdout
+    assert "alert gpu_reset_needed firing" in d.log()
+    # The hold is on disk: a restarted daemon would keep it.
+    state_dir = Path(d.sections["daemon"]["state_dir"])
+    assert "XID 79" in (state_dir / "gpu-reset-hold.json").read_text()
+    # Still no engine a few polls on (status answers from the same document).
+    d.proc.wait_for(lambda s: s["engine"]["phase"] == "reset-needed" and s["written_at"] > st["written_at"] + 1.0, 30, "a second of reset-needed")
+    assert d.state()["engine"]["pid"] is None
+    rc, reply = ctl_json(d.config, "restart")
+    assert rc == 0 and reply["ok"], reply
+    st = d.wait_ready(timeout=60)
+    assert st["healing"]["reset_hold"] is None and not (state_dir / "gpu-reset-hold.json").exists()
+
+
+def test_the_drivers_recovery_action_holds_on_an_xid_outside_the_table(healing):
+    d, card = healing
+    kill_engine(d, card, xids=[140], recovery_action=1)
+    st = d.wait_phase("reset-needed", timeout=60)
+    assert "recovery action is gpu reset" in st["healing"]["reset_hold"]
+    assert "alert gpu_xid_unknown firing: unknown XID 140" in d.log()
+
+
+def test_a_foreign_holder_across_a_crash_makes_the_restart_wait_then_start(healing):
+    d, card = healing
+    borrower = os.getpid()  # a real process, so its name can be read
+    kill_engine(d, card, processes=[[borrower, 12000]], memory_used_mib=12000)
+    st = d.wait_phase("waiting-for-gpu", timeout=60)
+    holders = st["healing"]["gpu_wait_holders"]
+    assert [h["pid"] for h in holders] == [borrower] and holders[0]["used_bytes"] == 12000 * 2**20
+    out = ctl(d.config, "status")
+    assert out.returncode == 1 and f"pid {borrower}" in out.stdout, out.stdout
+    card(processes=[], memory_used_mib=0)  # the borrower lets go
+    st = d.wait_ready(timeout=60)
+    assert st["restarts"]["start_failures"] == 0
