@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
 
+from tests.component.test_gpu_idle import streams  # endless streams: requests keep running
 from tests.ctl_harness import ctl, ctl_json
 from tests.daemon_harness import group_members
 
@@ -122,3 +124,58 @@ def test_a_foreign_holder_across_a_crash_makes_the_restart_wait_then_start(heali
     card(processes=[], memory_used_mib=0)  # the borrower lets go
     st = d.wait_ready(timeout=60)
     assert st["restarts"]["start_failures"] == 0
+
+
+# ------------------------------------------------------------------ a give-up retries by itself
+
+
+def test_a_give_up_whose_cause_goes_away_is_retried_by_itself_and_clears(make_daemon, tmp_path):
+    mount = tmp_path / "mounted"  # the model's network mount, absent for now
+    d = make_daemon(args=("--skip-preflight",), extra_args=["--fake-fail-start-unless", str(mount)],
+                    watchdog={"poll_interval": 0.3, "backoff_initial": 0.2, "backoff_max": 0.5, "give_up_retry": 3.0})  # fmt: skip
+    d.start()
+    st = d.wait_phase("given-up", timeout=60)
+    assert "does not exist" in st["give_up_reason"] and st["healing"]["next_retry_at"] is not None
+    out = ctl(d.config, "status")
+    assert out.returncode == 2 and "Retry      attempt 1 at" in out.stdout, out.stdout
+    # An attempt fails: given up again, attempts counted, the alert not sent again.
+    d.proc.wait_for(lambda s: s["healing"]["retry_attempts"] >= 1 and s["engine"]["phase"] == "given-up", 60, "a failed attempt")
+    mount.mkdir()  # the mount comes back
+    st = d.wait_ready(timeout=60)
+    st = d.proc.wait_for(lambda s: s["healing"]["start_succeeded"] and s, 90, "the start succeeded")
+    assert st["give_up_reason"] is None and st["healing"]["retry_attempts"] == 0
+    log = d.log()
+    assert log.count("alert gave_up firing") == 1, log
+    d.proc.wait_for(lambda s: "gave_up" not in s["alerts"]["firing"], 30, "gave_up resolved")
+
+
+# ------------------------------------------------------------------ a fast detector fooled twice
+
+
+def test_gpu_idle_firing_twice_in_a_row_widens_its_window(make_daemon, tmp_path, monkeypatch):
+    path = tmp_path / "card.json"
+    path.write_text(json.dumps({"util": 0, "processes": [], "graphics_processes": []}))
+    monkeypatch.setenv("PYTHONPATH", f"{FAKE_NVML}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("R3090D_FAKE_NVML", str(path))
+    d = make_daemon(args=("--skip-preflight",), extra_args=["--fake-token-delay", "0.05"],
+                    watchdog={"poll_interval": 0.3, "gpu_idle_stall_seconds": 1.5, "stall_seconds": 600, "probe_idle_seconds": 600,
+                              "backoff_initial": 0.2, "backoff_max": 0.5, "start_failures": 50, "same_cause_failures": 50})  # fmt: skip
+    d.rewrite(gpu={"required": True, "card": "any"})
+    d.start()
+    stop = threading.Event()
+    old = None
+    try:
+        for trip in (1, 2):
+            st = d.wait_ready(timeout=60, old_pid=old)
+            old = st["engine"]["pid"]
+            pids = group_members(old)
+            path.write_text(json.dumps({"util": 0, "memory_used_mib": ENGINE_MIB, "processes": [[p, ENGINE_MIB // len(pids)] for p in pids],
+                                        "graphics_processes": []}))  # fmt: skip
+            streams(d.engine_url, 2, stop)
+            d.proc.wait_for(lambda s, n=trip: s["restarts"]["by_reason"].get("gpu_idle", 0) >= n, 60, f"gpu_idle restart {trip}")
+            path.write_text(json.dumps({"util": 0, "processes": [], "graphics_processes": []}))
+        st = d.proc.wait_for(lambda s: s["healing"]["detector_scale"].get("gpu_idle") == 2 and s, 30, "the window widened")
+    finally:
+        stop.set()
+    assert "alert detector_widened firing: gpu_idle fired twice in a row" in d.log()
+    assert "from 1.5 s to 3 s" in d.log() and "watchdog.gpu_idle_stall_seconds" in d.log()

@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = p.add_argument_group("test double")
     f.add_argument("--fake-startup-delay", type=float, default=0.0, metavar="S")
     f.add_argument("--fake-exit-during-start", type=int, metavar="CODE")
+    f.add_argument("--fake-fail-start-unless", metavar="PATH", help="fail every start while PATH does not exist (a mount that comes back)")
     f.add_argument("--fake-exit-after", nargs="+", metavar="S [CODE]")
     f.add_argument("--fake-exit-code", type=int, default=0, metavar="CODE")
     f.add_argument("--fake-dead-exit-delay", type=float, default=0.5, metavar="S")
@@ -1065,6 +1066,8 @@ class Lifecycle:
                 self.fail_start(1, "RuntimeError: Engine core initialization failed. See root cause above.")
         if o.fake_exit_during_start is not None:
             self.fail_start(o.fake_exit_during_start, "RuntimeError: the engine failed to start (--fake-exit-during-start)")
+        if o.fake_fail_start_unless is not None and not os.path.exists(o.fake_fail_start_unless):
+            self.fail_start(1, f"OSError: {o.fake_fail_start_unless} does not exist (--fake-fail-start-unless)")
         if o.max_model_len > o.kv_capacity_tokens:
             self.fail_start(1, f"ValueError: To serve at least one request with the models's max seq len ({o.max_model_len}), "
                                f"the KV cache needs {o.max_model_len} tokens, more than its {o.kv_capacity_tokens}.")  # fmt: skip

@@ -17,7 +17,14 @@ from r3090d.config.loading import from_dict
 from r3090d.core import policy
 from r3090d.core.actions import RequestGpuSample, SendAlert, StartEngine, StopEngine
 from r3090d.core.policy import Phase
-from r3090d.core.snapshot import ChildSample, GpuProcess, GpuSample, GpuStatus, InferenceProbeSample, MetricsSample
+from r3090d.core.snapshot import (
+    ChildSample,
+    GpuProcess,
+    GpuSample,
+    GpuStatus,
+    InferenceProbeSample,
+    MetricsSample,
+)
 from r3090d.core.vocabulary import RestartKind, RestartReason
 from r3090d.core.xid import RecoveryAction
 from r3090d.units import GIB, MIB
