@@ -10,6 +10,10 @@ memory_reserved, utilization_memory, sm_clock_mhz, mem_clock_mhz, field_errors, 
 step_started_at, finish_reason, size_on_disk, index_total_size, cache_dtype, engine_kv_bytes
 tick_seconds, recent, remind_after_s, _.reaped_total
 
+# Members of an enum that mirrors a driver's numbering (NVML's GPU recovery actions): each is
+# mapped by position, and the ones nothing acts on are still values NVML may report.
+NONE, DRAIN_P2P
+
 # Read by the tests and the benchmarks, which vulture does not scan.
 PERMANENT, sample_from_dict, ppid
 

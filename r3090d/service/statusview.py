@@ -151,7 +151,7 @@ def panel(doc: StateDocument | dict, verdict: HealthVerdict, now: float, *, note
     if d.give_up_reason:
         lines.append(f"Gave up    {d.give_up_reason}")
         if heal.next_retry_at is not None:
-            lines.append(f"Retry      attempt {heal.retry_attempts + 1} at {clock(heal.next_retry_at)} (watchdog.give_up_retry)")
+            lines.append(f"Retry      attempt {heal.retry_attempts + 1} at {clock(heal.next_retry_at)} (every {ago(heal.give_up_retry_s)}, watchdog.give_up_retry)")
     elif restarts.last_root_cause:
         lines.append(f"Last cause {restarts.last_root_cause}")
     usage = metrics.kv_usage
