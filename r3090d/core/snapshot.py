@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from r3090d.core.suspend_types import SuspendSample
     from r3090d.core.vocabulary import RestartKind
-    from r3090d.effectors.suspender import SuspendSample
     from r3090d.measure.modelinfo import ModelFacts
 
 

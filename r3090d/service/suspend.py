@@ -40,10 +40,11 @@ from r3090d.core.actions import (
 )
 from r3090d.core.policy import PolicyState
 from r3090d.core.snapshot import ChildSample, GpuSample, Snapshot
+from r3090d.core.suspend_types import Op, SuspendSample
 from r3090d.core.suspension import HOW_TO_RESUME, Result, Stage, SuspendResult
 from r3090d.core.vocabulary import SUSPEND_PHASES
-from r3090d.effectors.suspender import Suspender, SuspendSample
-from r3090d.effectors.suspender_worker import Command, Op
+from r3090d.effectors.suspender import Suspender
+from r3090d.effectors.suspender_worker import Command
 from r3090d.service.state import read_json, write_json_atomic
 from r3090d.service.statedoc import STANDING_STAGES, LastRequest, SuspendInfo, WorkerInfo, WorkerStep
 
