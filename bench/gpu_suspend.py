@@ -303,7 +303,8 @@ def find_engine_python(given: str | None) -> str | None:
 
 def bench_main(args) -> int:
     sys.path.insert(0, str(ROOT))
-    from r3090d.effectors.checkpoint import FAKE_ENV, Step, available
+    from r3090d.core.suspend_types import Step
+    from r3090d.effectors.checkpoint import FAKE_ENV, available
 
     ok, reason = available()
     if not ok:
@@ -317,8 +318,9 @@ def bench_main(args) -> int:
     import psutil
     import pynvml
 
-    from r3090d.effectors.suspender import RESUME_MARGIN_BYTES, Suspender, can_resume, pick_target
-    from r3090d.effectors.suspender_worker import Outcome
+    from r3090d.core.suspend_types import Outcome
+    from r3090d.core.suspension import RESUME_MARGIN_BYTES, can_resume, pick_target
+    from r3090d.effectors.suspender import Suspender
 
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(args.gpu)

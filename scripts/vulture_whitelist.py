@@ -24,5 +24,8 @@ file, json_option, _.default_map, _.handleError, _.mapPriority, _.append_nul, _.
 _.maxdict, _.maxlevel, _.maxlist, _.maxother, _.maxstring, exc_info
 _.pre_tokenizer, _.decoder, _.post_processor
 
+# Python's own hooks: a module's __getattr__ (PEP 562), which r3090d.config's lazy re-exports use.
+__getattr__
+
 # Files shipped with the package, named for the packaging tests and `r3090ctl setup`.
 PROMETHEUS_RULES, HAPROXY, DEFAULT_EXEC_START

@@ -9,22 +9,11 @@ The package: `schema` (the sections as dataclasses, their limits and the
 built-in profiles), `loading` (TOML to a checked Config: types, ranges,
 migration of removed keys, the checks across keys), `secret` (secret files,
 and the configuration as printed, secrets redacted), `errors` (ConfigError).
-Callers import from `r3090d.config`, which re-exports what they use.
+Callers import from `r3090d.config`, which re-exports what they use: the
+schema at once, the rest (the loader and its file and environment reading) on
+first use, so the pure core can import the schema without loading the loader.
 """
 
-from r3090d.config.errors import ConfigError
-from r3090d.config.loading import (
-    CONFIG_MAX_BYTES,
-    DEFAULT_PATH,
-    ENV_CONFIG,
-    ENV_INSTANCE,
-    MIN_ALERT_HEADROOM_MIB,
-    alertmanager_url_problem,
-    from_dict,
-    instance_from_env,
-    load,
-    resolve_path,
-)
 from r3090d.config.schema import (
     BUILTIN_PROFILES,
     CLOCK_EVENT_REASONS,
@@ -47,26 +36,42 @@ from r3090d.config.schema import (
     WatchdogConfig,
     resolve_profiles,
 )
-from r3090d.config.secret import SECRET_MAX_BYTES, read_secret, redacted
+
+# Re-exported on first use: each name, and the submodule that defines it.
+_ON_FIRST_USE = {
+    "ConfigError": "errors",
+    **dict.fromkeys(
+        ("CONFIG_MAX_BYTES", "DEFAULT_PATH", "ENV_CONFIG", "ENV_INSTANCE", "MIN_ALERT_HEADROOM_MIB",
+         "alertmanager_url_problem", "from_dict", "instance_from_env", "load", "resolve_path"),
+        "loading",
+    ),
+    **dict.fromkeys(("SECRET_MAX_BYTES", "read_secret", "redacted"), "secret"),
+}  # fmt: skip
+
+
+def __getattr__(name: str):
+    """A loader's name, imported when first asked for (PEP 562) and kept as an attribute."""
+    home = _ON_FIRST_USE.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from r3090d.config import errors, loading, secret
+
+    value = getattr({"errors": errors, "loading": loading, "secret": secret}[home], name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BUILTIN_PROFILES",
     "CLOCK_EVENT_REASONS",
-    "CONFIG_MAX_BYTES",
-    "DEFAULT_PATH",
     "DERIVED_FIELDS",
-    "ENV_CONFIG",
-    "ENV_INSTANCE",
     "MAX_GPU_INDEX",
     "MAX_PORT",
     "MIB",
-    "MIN_ALERT_HEADROOM_MIB",
     "NO_PROFILE",
-    "SECRET_MAX_BYTES",
     "AlertmanagerConfig",
     "AlertsConfig",
     "Config",
-    "ConfigError",
     "DaemonConfig",
     "EmailConfig",
     "EngineConfig",
@@ -76,12 +81,6 @@ __all__ = [
     "SuspendConfig",
     "SyslogConfig",
     "WatchdogConfig",
-    "alertmanager_url_problem",
-    "from_dict",
-    "instance_from_env",
-    "load",
-    "read_secret",
-    "redacted",
-    "resolve_path",
     "resolve_profiles",
+    *_ON_FIRST_USE,
 ]

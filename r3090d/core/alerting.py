@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from r3090d.config import AlertsConfig, Config
+from r3090d.config.schema import AlertsConfig, Config
 from r3090d.core.actions import SendAlert
 from r3090d.core.rules import Condition
 from r3090d.core.vocabulary import AlertState, Severity

@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from r3090d import exitcodes
-from r3090d.config import Config
+from r3090d.config.schema import Config
 from r3090d.core import alerting, rules, suspension
 from r3090d.core.actions import (
     Action,

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from r3090d.config import MIB, Config
+from r3090d.config.schema import Config
 from r3090d.core.snapshot import GpuStatus, HealthStatus, Snapshot
 from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartReason, Severity
+from r3090d.units import MIB
 
 
 @dataclass(frozen=True)

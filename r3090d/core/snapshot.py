@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from r3090d.core.xid import RecoveryAction
 
 if TYPE_CHECKING:
+    from r3090d.core.suspend_types import SuspendSample
     from r3090d.core.vocabulary import RestartKind
-    from r3090d.effectors.suspender import SuspendSample
     from r3090d.measure.modelinfo import ModelFacts
 
 

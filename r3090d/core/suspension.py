@@ -36,9 +36,11 @@ but the one `verifying` sends (the policy never calls rules.assess here).
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
-from r3090d.config import Config
+from r3090d.config.schema import Config
 from r3090d.core.actions import (
     Action,
     QueryEngineState,
@@ -53,14 +55,13 @@ from r3090d.core.actions import (
 )
 from r3090d.core.rules import Condition
 from r3090d.core.snapshot import GpuProcess, HealthStatus, Snapshot
+from r3090d.core.suspend_types import Outcome, ProcessState, SuspendSample
 from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartReason, Severity
-from r3090d.effectors.checkpoint import ProcessState
-from r3090d.effectors.suspender import SuspendSample, can_resume, pick_target
-from r3090d.effectors.suspender_worker import Outcome
 from r3090d.engineflags import flag_value
 from r3090d.units import GIB, MIB
 
 HOW_TO_RESUME = "r3090ctl resume"
+RESUME_MARGIN_BYTES = 512 * MIB  # headroom for the restored process's context and allocator
 # The flags that spread the engine over several GPUs (each with its short alias): their sizes multiply.
 PARALLEL_FLAGS = (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"))
 
@@ -188,6 +189,48 @@ def unique_processes(procs) -> list[GpuProcess]:
     return list(best.values())
 
 
+class _Holder(Protocol):
+    pid: int
+    used_bytes: int | None
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GIB:.1f} GiB"
+
+
+def can_resume(free_bytes: int | None, needed_bytes: int, margin: int = RESUME_MARGIN_BYTES,
+               holders: Iterable[_Holder] = ()) -> tuple[bool, str]:  # fmt: skip
+    """Whether the GPU can take the suspended engine back: free (from a fresh NVML sample) ≥ needed + margin.
+
+    `holders`: the processes NVML lists on the GPU (GpuProcess works), named in the
+    refusal so the operator sees who has the memory.
+    """
+    want = needed_bytes + margin
+    if free_bytes is None:
+        return False, f"free GPU memory is unknown (NVML did not answer); resuming needs {_gib(want)}"
+    if free_bytes >= want:
+        return True, f"{_gib(free_bytes)} free, {_gib(needed_bytes)} + {_gib(margin)} margin needed"
+    held = sorted(holders, key=lambda h: h.used_bytes or 0, reverse=True)
+    who = ", ".join(f"pid {h.pid} ({_gib(h.used_bytes)})" for h in held) if held else "no process NVML lists"
+    return False, f"{_gib(free_bytes)} free, {_gib(needed_bytes)} + {_gib(margin)} margin needed; held by {who}"
+
+
+def pick_target(gpu_processes: Iterable[_Holder], engine_pids: Iterable[int]) -> tuple[int | None, str]:
+    """The one engine process to checkpoint: the engine's only process on the GPU.
+
+    Several (tensor parallelism: NCCL and CUDA IPC) cannot be checkpointed: the
+    driver answers NOT_SUPPORTED or hangs.
+    """
+    tree = set(engine_pids)
+    on_gpu = sorted(p.pid for p in gpu_processes if p.pid in tree)
+    if not on_gpu:
+        return None, "no process of the engine holds GPU memory"
+    if len(on_gpu) > 1:
+        pids = ", ".join(map(str, on_gpu))
+        return None, f"{len(on_gpu)} engine processes hold GPU memory (pids {pids}): a multi-GPU engine cannot be suspended"
+    return on_gpu[0], ""
+
+
 def target(snap: Snapshot) -> tuple[int | None, int, str]:
     """(pid, GPU bytes it holds, "") of the engine's one GPU process, or (None, 0, why not)."""
     g = snap.gpu
@@ -231,10 +274,6 @@ def _span(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s"
     return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
-
-
-def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / GIB:.1f} GiB"
 
 
 def resume_room(s: Suspension, snap: Snapshot, cfg: Config) -> tuple[bool, str]:

@@ -34,6 +34,7 @@ from typing import Protocol
 import httpx
 
 from r3090d import __version__
+from r3090d.atomicfile import write_text_atomic
 from r3090d.config import AlertmanagerConfig, ConfigError, alertmanager_url_problem, read_secret
 from r3090d.effectors.alertformat import AlertContext, RaisedAlert, one_line
 from r3090d.effectors.alertmanager_payload import (
@@ -50,8 +51,7 @@ from r3090d.effectors.alertmanager_payload import (
     merge_text,
     one_off_post,
 )
-from r3090d.effectors.channels import DeliveryError
-from r3090d.service.state import write_text_atomic
+from r3090d.effectors.delivery import DeliveryError
 
 log = logging.getLogger("r3090d.alerts")
 

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Protocol
 from r3090d.config import AlertsConfig, Config
 from r3090d.core.actions import SendAlert
 from r3090d.effectors.alertformat import AlertContext, RaisedAlert, alert_label, one_line
-from r3090d.effectors.channels import Channel, DeliveryError, build_channels, channel_kind
+from r3090d.effectors.channels import build_channels, channel_kind
+from r3090d.effectors.delivery import Channel, DeliveryError
 
 if TYPE_CHECKING:  # at run time imported where used: it loads httpx, which only Alertmanager needs
     from r3090d.effectors.alertmanager import AlertmanagerFeed, Firing

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from email.message import EmailMessage
 from email.utils import formatdate, make_msgid
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from r3090d.config import AlertsConfig, Config, ConfigError, EmailConfig, SyslogConfig
 from r3090d.core.actions import SendAlert
@@ -46,6 +46,7 @@ from r3090d.effectors.alertformat import (
     syslog_message,
     syslog_priority_name,
 )
+from r3090d.effectors.delivery import Channel, DeliveryError
 
 log = logging.getLogger("r3090d.alerts")
 
@@ -59,24 +60,6 @@ _IDENT_RE = re.compile(r"[A-Za-z0-9._-]{1,48}")
 # unfolded subject then starts with a space, which breaks "^Subject: [r3090d]"
 # filters. Subjects here are one bounded line, far below 998.
 _MAIL_POLICY = email.policy.default.clone(max_line_length=998)
-
-
-class DeliveryError(Exception):
-    """One delivery attempt failed; the text is safe to log (no secrets)."""
-
-
-class Channel(Protocol):
-    name: str
-    target: str  # where it delivers, for humans: "/dev/log", "smtp.example.org:587 (starttls) ..."
-    max_attempts: int
-
-    def prepare(self, item: Any) -> Any: ...  # a RaisedAlert, or what the channel's own feed queues
-
-    def deliver(self, payload: Any) -> str: ...  # a note for the operator, "" if none; raises DeliveryError
-
-    def redact(self, text: str) -> str: ...
-
-    def close(self) -> None: ...
 
 
 def parse_syslog_address(address: str, source: str = "<config>") -> str | tuple[str, int]:
@@ -421,7 +404,7 @@ def build_channels(
         password = read_smtp_password(cfg.email, source, environ)
         channels.append(EmailChannel(cfg.email, password=password, helo_name=hostname, source=source))
     if cfg.alertmanager.enabled or "alertmanager" in include_disabled:
-        from r3090d.effectors import alertmanager  # it imports this module
+        from r3090d.effectors import alertmanager  # here: it loads httpx, which only Alertmanager needs
 
         channels.extend(alertmanager.build_channels(cfg.alertmanager, source))
     return channels

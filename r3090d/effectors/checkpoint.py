@@ -28,10 +28,11 @@ The variable is meant for tests only; unset, the real driver is always used.
 from __future__ import annotations
 
 import ctypes
-import enum
 import importlib
 import os
 from typing import Protocol
+
+from r3090d.core.suspend_types import ProcessState, Step
 
 LIBRARY = "libcuda.so.1"
 # cuDriverGetVersion's encoding (1000 * major + 10 * minor): the checkpoint calls are CUDA 12.8 driver API.
@@ -71,36 +72,6 @@ _SYMBOLS = (
     "cuCheckpointProcessUnlock",
     "cuCheckpointProcessGetState",
 )
-
-
-class ProcessState(enum.IntEnum):
-    """CUprocessState. Values past FAILED come from newer headers; anything unknown reads as UNKNOWN."""
-
-    UNKNOWN = -1
-    RUNNING = 0
-    LOCKED = 1  # CUDA calls of the process block
-    CHECKPOINTED = 2  # its GPU memory is in its host memory, its device handles released
-    FAILED = 3  # an uncorrectable error during checkpoint or restore
-    CHECKPOINTING = 4
-    RESTORING = 5
-
-    @classmethod
-    def from_code(cls, code: int) -> ProcessState:
-        try:
-            return cls(code)
-        except ValueError:
-            return cls.UNKNOWN
-
-
-class Step(enum.StrEnum):
-    """One driver call, as progress lines and errors name it."""
-
-    INIT = "init"  # load libcuda, check the driver, cuInit
-    LOCK = "lock"
-    CHECKPOINT = "checkpoint"
-    RESTORE = "restore"
-    UNLOCK = "unlock"
-    STATE = "state"
 
 
 class CheckpointError(Exception):

@@ -26,6 +26,7 @@ import psutil
 from r3090d import procstat
 from r3090d.core import rootcause
 from r3090d.core.snapshot import ChildSample
+from r3090d.vllmlines import VLLM_LOGGER, VllmLineClassifier
 
 log = logging.getLogger("r3090d.engine")
 
@@ -134,8 +135,6 @@ class EngineProcess:
         threading.Thread(target=self._wait_exit, args=(proc, generation), name="engine-waiter", daemon=True).start()
 
     def _read_output(self, proc: subprocess.Popen) -> None:
-        from r3090d.service.journal import VLLM_LOGGER, VllmLineClassifier
-
         assert proc.stdout is not None
         # Relayed at vLLM's own level, so the journal stores an EngineCore traceback
         # at priority 3 and `journalctl -p warning` shows it. One per engine process:

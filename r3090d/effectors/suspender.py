@@ -7,9 +7,9 @@ loop reads a frozen `SuspendSample` each tick, as it reads the inference probe.
 
 A suspended engine keeps its process and its host memory (its GPU bytes move
 into it: RSS grows by the VRAM it held); only its GPU memory is given back.
-The pure checks the policy needs before acting live here too: which engine
-process to checkpoint (`pick_target`) and whether the GPU has room to take it
-back (`can_resume`).
+The sample's types, and the pure checks the policy makes before acting (which
+engine process to checkpoint, whether the GPU has room to take it back), are
+the core's: r3090d.core.suspend_types and r3090d.core.suspension.
 """
 
 from __future__ import annotations
@@ -20,102 +20,18 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
-from typing import Protocol
+from collections.abc import Mapping
+from dataclasses import replace
 
-from r3090d.effectors.checkpoint import ProcessState, Step
-from r3090d.effectors.suspender_worker import DONE, Command, Line, Op, Outcome
-from r3090d.units import MIB
+from r3090d.core.suspend_types import Op, Outcome, Step, StepResult, SuspendSample
+from r3090d.effectors.suspender_worker import DONE, Command, Line
 
 WORKER_MODULE = "r3090d.effectors.suspender_worker"
 # A checkpoint moves GPU memory to host at 2-3 GB/s (15.3 GB in 6.3-6.9 s on an H200):
 # a 24 GB card takes about 10 s. Past this an operation is reported overdue, not abandoned:
 # its late result still counts, since a late checkpoint still leaves the engine suspended.
 DEFAULT_DEADLINE_S = 120.0
-RESUME_MARGIN_BYTES = 512 * MIB  # headroom for the restored process's context and allocator
 _MAX_ERROR = 300
-
-
-@dataclass(frozen=True)
-class StepResult:
-    step: Step
-    ok: bool
-    took_s: float
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class SuspendSample:
-    """The latest (or current) suspend/resume operation, as the loop sees it."""
-
-    op: Op | None = None  # None: nothing was ever asked
-    pid: int | None = None
-    in_flight: bool = False
-    started_at: float | None = None  # monotonic, when the operation was asked for
-    finished_at: float | None = None
-    step: Step | None = None  # the step under way, or the last one that ran
-    step_started_at: float | None = None  # monotonic, as this process saw the step begin
-    steps: tuple[StepResult, ...] = ()  # the steps that ended, in order, with the worker's timings
-    outcome: Outcome | None = None  # None while in flight
-    state: ProcessState | None = None  # the driver's last word on the pid's state
-    error: str = ""  # the last error, one line
-    overdue: bool = False  # in flight past the deadline: a driver call may be stuck
-
-    def took(self, step: Step) -> float | None:
-        """Seconds the last run of `step` took in the worker, or None if it did not end."""
-        for result in reversed(self.steps):
-            if result.step is step:
-                return result.took_s
-        return None
-
-    @property
-    def duration_s(self) -> float | None:
-        if self.started_at is None or self.finished_at is None:
-            return None
-        return self.finished_at - self.started_at
-
-
-class _Holder(Protocol):
-    pid: int
-    used_bytes: int | None
-
-
-def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / 2**30:.1f} GiB"
-
-
-def can_resume(free_bytes: int | None, needed_bytes: int, margin: int = RESUME_MARGIN_BYTES,
-               holders: Iterable[_Holder] = ()) -> tuple[bool, str]:  # fmt: skip
-    """Whether the GPU can take the suspended engine back: free (from a fresh NVML sample) ≥ needed + margin.
-
-    `holders`: the processes NVML lists on the GPU (GpuProcess works), named in the
-    refusal so the operator sees who has the memory.
-    """
-    want = needed_bytes + margin
-    if free_bytes is None:
-        return False, f"free GPU memory is unknown (NVML did not answer); resuming needs {_gib(want)}"
-    if free_bytes >= want:
-        return True, f"{_gib(free_bytes)} free, {_gib(needed_bytes)} + {_gib(margin)} margin needed"
-    held = sorted(holders, key=lambda h: h.used_bytes or 0, reverse=True)
-    who = ", ".join(f"pid {h.pid} ({_gib(h.used_bytes)})" for h in held) if held else "no process NVML lists"
-    return False, f"{_gib(free_bytes)} free, {_gib(needed_bytes)} + {_gib(margin)} margin needed; held by {who}"
-
-
-def pick_target(gpu_processes: Iterable[_Holder], engine_pids: Iterable[int]) -> tuple[int | None, str]:
-    """The one engine process to checkpoint: the engine's only process on the GPU.
-
-    Several (tensor parallelism: NCCL and CUDA IPC) cannot be checkpointed: the
-    driver answers NOT_SUPPORTED or hangs.
-    """
-    tree = set(engine_pids)
-    on_gpu = sorted(p.pid for p in gpu_processes if p.pid in tree)
-    if not on_gpu:
-        return None, "no process of the engine holds GPU memory"
-    if len(on_gpu) > 1:
-        pids = ", ".join(map(str, on_gpu))
-        return None, f"{len(on_gpu)} engine processes hold GPU memory (pids {pids}): a multi-GPU engine cannot be suspended"
-    return on_gpu[0], ""
 
 
 class Suspender:

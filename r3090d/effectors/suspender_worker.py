@@ -23,34 +23,17 @@ It needs no GPU to run: without a usable driver it reports outcome
 
 from __future__ import annotations
 
-import enum
 import json
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from r3090d.effectors.checkpoint import CheckpointDriver, CheckpointError, ProcessState, Step, load_driver
+from r3090d.core.suspend_types import Op, Outcome, ProcessState, Step
+from r3090d.effectors.checkpoint import CheckpointDriver, CheckpointError, load_driver
 
 DONE = "done"  # the step name of the last line
 EXIT_REJECTED = 64  # EX_USAGE: the command line on stdin was not a valid command
-
-
-class Op(enum.StrEnum):
-    SUSPEND = "suspend"
-    RESUME = "resume"
-    STATE = "state"
-
-
-class Outcome(enum.StrEnum):
-    SUSPENDED = "suspended"  # checkpointed: the GPU memory is free, the process waits, locked
-    RESUMED = "resumed"  # restored and unlocked: serving again
-    KEPT_RUNNING = "kept_running"  # the operation did not happen and the engine runs as before
-    FAILED = "failed"  # the engine is in no state to serve: restart it cold
-    UNAVAILABLE = "unavailable"  # no usable driver here (or the worker could not start): nothing was done
-    REJECTED = "rejected"  # the command was not valid: nothing was done
-    REPORTED = "reported"  # op "state": the state was read
-    UNKNOWN = "unknown"  # the worker ended without a result: read the state before acting
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ import psutil
 from r3090d import argv as argvmod
 from r3090d.config import Config
 from r3090d.core.snapshot import GpuSample, GpuStatus
-from r3090d.core.suspension import unique_processes
-from r3090d.effectors.suspender import Suspender, pick_target
-from r3090d.effectors.suspender_worker import Outcome
+from r3090d.core.suspend_types import Outcome
+from r3090d.core.suspension import pick_target, unique_processes
+from r3090d.effectors.suspender import Suspender
 from r3090d.preflight.checks import CheckResult, PreflightFacts, run_checks
 from r3090d.probes import nvml as nvmlprobe
 from r3090d.probes.host import gather_host

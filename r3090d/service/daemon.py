@@ -20,6 +20,7 @@ from pathlib import Path
 
 from r3090d import __version__, exitcodes
 from r3090d import argv as argvmod
+from r3090d.atomicfile import write_json_atomic
 from r3090d.config import Config
 from r3090d.core import policy
 from r3090d.core.actions import Exit, RecordRestart, SendAlert, SendInferenceProbe, StartEngine, StopEngine
@@ -35,7 +36,7 @@ from r3090d.service.exporter import TickStats
 from r3090d.service.preflight_runner import PreflightRunner
 from r3090d.service.report import report, status_line
 from r3090d.service.sampling import Sampler
-from r3090d.service.state import STATE_FILE, book_from_json, read_json, wall_offset, write_json_atomic
+from r3090d.service.state import STATE_FILE, book_from_json, read_json, wall_offset
 from r3090d.service.statedoc import DaemonIdentity, PreflightSummary
 from r3090d.service.suspend import SuspendService
 

@@ -7,7 +7,8 @@ import re
 import time
 from pathlib import Path
 
-from r3090d.service.state import plain, read_json, write_json_atomic
+from r3090d.atomicfile import write_json_atomic
+from r3090d.service.state import plain, read_json
 
 log = logging.getLogger("r3090d")
 

@@ -15,13 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from r3090d import exitcodes
+from r3090d.atomicfile import write_json_atomic
 from r3090d.config import Config
 from r3090d.core.actions import SendAlert
 from r3090d.core.snapshot import GpuStatus
 from r3090d.core.vocabulary import AlertState, Severity
 from r3090d.preflight import checks, gather
 from r3090d.service.report import preflight_report
-from r3090d.service.state import read_json, write_json_atomic
+from r3090d.service.state import read_json
 from r3090d.service.statedoc import DaemonIdentity, PreflightSummary, UnreadableFormat, parse
 
 log = logging.getLogger("r3090d")

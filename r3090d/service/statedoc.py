@@ -235,7 +235,7 @@ class LastRequest:
 
 @dataclass(frozen=True)
 class WorkerStep:
-    step: str = ""  # a checkpoint.Step value
+    step: str = ""  # a suspend_types.Step value
     ok: bool = False
     took_s: float = 0.0
     error: str = ""

@@ -27,6 +27,7 @@ from pathlib import Path
 import psutil
 
 from r3090d import procstat
+from r3090d.atomicfile import write_json_atomic
 from r3090d.config import Config
 from r3090d.core import policy
 from r3090d.core.actions import (
@@ -40,11 +41,12 @@ from r3090d.core.actions import (
 )
 from r3090d.core.policy import PolicyState
 from r3090d.core.snapshot import ChildSample, GpuSample, Snapshot
+from r3090d.core.suspend_types import Op, SuspendSample
 from r3090d.core.suspension import HOW_TO_RESUME, Result, Stage, SuspendResult
 from r3090d.core.vocabulary import SUSPEND_PHASES
-from r3090d.effectors.suspender import Suspender, SuspendSample
-from r3090d.effectors.suspender_worker import Command, Op
-from r3090d.service.state import read_json, write_json_atomic
+from r3090d.effectors.suspender import Suspender
+from r3090d.effectors.suspender_worker import Command
+from r3090d.service.state import read_json
 from r3090d.service.statedoc import STANDING_STAGES, LastRequest, SuspendInfo, WorkerInfo, WorkerStep
 
 log = logging.getLogger("r3090d")

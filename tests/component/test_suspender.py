@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from r3090d import procstat
-from r3090d.effectors.checkpoint import FAKE_ENV, ProcessState, Step
+from r3090d.core.suspend_types import Outcome, ProcessState, Step
+from r3090d.effectors.checkpoint import FAKE_ENV
 from r3090d.effectors.suspender import WORKER_MODULE, Suspender
-from r3090d.effectors.suspender_worker import EXIT_REJECTED, Outcome
+from r3090d.effectors.suspender_worker import EXIT_REJECTED
 from tests.waiting import wait_until
 
 FAKE_CUDA = Path(__file__).resolve().parents[1] / "fakecuda"

@@ -37,7 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from r3090d.effectors.checkpoint import CheckpointError, ProcessState, Step
+from r3090d.core.suspend_types import ProcessState, Step
+from r3090d.effectors.checkpoint import CheckpointError
 
 INVALID_VALUE = 1
 ILLEGAL_STATE = 401

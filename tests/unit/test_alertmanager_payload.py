@@ -22,7 +22,7 @@ from r3090d.effectors import alertmanager as am
 from r3090d.effectors import alertmanager_payload as amp
 from r3090d.effectors.alertformat import AlertContext, RaisedAlert
 from r3090d.effectors.alerts import AlertDispatcher, _ChannelWorker
-from r3090d.effectors.channels import DeliveryError
+from r3090d.effectors.delivery import DeliveryError
 from tests.configs import bare_config
 from tests.snapshots import REFUSED, child, snap
 from tests.waiting import wait_until

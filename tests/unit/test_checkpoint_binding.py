@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from r3090d.core.suspend_types import ProcessState, Step
 from r3090d.effectors import checkpoint as ck
 
 # sizeof and offsetof as cuda.h (CUDA 13.0, x86-64) lays them out.
@@ -62,7 +63,7 @@ def test_struct_layout_matches_an_installed_cuda_h(tmp_path):
         for f, offset in offsets.items():
             assert seen[f"{c_name} {f}"] == offset, f"{c_name}.{f}"
     for state in ("RUNNING", "LOCKED", "CHECKPOINTED", "FAILED"):
-        assert seen[f"state {state}"] == ck.ProcessState[state].value
+        assert seen[f"state {state}"] == ProcessState[state].value
     assert seen["CUprocessState size"] == ctypes.sizeof(ctypes.c_int)  # GetState writes a C int
 
 
@@ -126,25 +127,25 @@ def test_judge_driver_versions(version, ok, text):
 
 
 def test_process_state_values_and_unknown_codes():
-    assert [ck.ProcessState.from_code(i) for i in range(4)] == [
-        ck.ProcessState.RUNNING, ck.ProcessState.LOCKED, ck.ProcessState.CHECKPOINTED, ck.ProcessState.FAILED,
+    assert [ProcessState.from_code(i) for i in range(4)] == [
+        ProcessState.RUNNING, ProcessState.LOCKED, ProcessState.CHECKPOINTED, ProcessState.FAILED,
     ]  # fmt: skip
-    assert ck.ProcessState.from_code(42) is ck.ProcessState.UNKNOWN
+    assert ProcessState.from_code(42) is ProcessState.UNKNOWN
 
 
 def test_checkpoint_error_names_step_code_and_name():
-    err = ck.CheckpointError(ck.Step.LOCK, 304)
-    assert (err.step, err.code, err.name) == (ck.Step.LOCK, 304, "CUDA_ERROR_OPERATING_SYSTEM")
+    err = ck.CheckpointError(Step.LOCK, 304)
+    assert (err.step, err.code, err.name) == (Step.LOCK, 304, "CUDA_ERROR_OPERATING_SYSTEM")
     assert str(err) == "lock: CUDA_ERROR_OPERATING_SYSTEM (304)"
-    assert ck.CheckpointError(ck.Step.CHECKPOINT, 801).name == "CUDA_ERROR_NOT_SUPPORTED"
-    assert ck.CheckpointError(ck.Step.RESTORE, 12345).name == "CUDA_ERROR_12345"
+    assert ck.CheckpointError(Step.CHECKPOINT, 801).name == "CUDA_ERROR_NOT_SUPPORTED"
+    assert ck.CheckpointError(Step.RESTORE, 12345).name == "CUDA_ERROR_12345"
 
 
 def test_the_real_driver_fails_cleanly_without_libcuda():
     driver = ck.CudaDriver("libcuda-absent-for-this-test.so.1")
     with pytest.raises(ck.CheckpointError) as info:
         driver.state(1)
-    assert info.value.step is ck.Step.INIT
+    assert info.value.step is Step.INIT
 
 
 def test_load_driver_without_a_driver_gives_a_reason(monkeypatch):

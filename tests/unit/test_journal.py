@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from r3090d.effectors.child import EngineProcess
 from r3090d.service import journal
-from r3090d.service.journal import MAX_TRACEBACK_LINES, Priority, VllmLineClassifier
+from r3090d.vllmlines import MAX_TRACEBACK_LINES, Priority, VllmLineClassifier
 from tests.waiting import wait_until
 
 E, W, N, D = Priority.ERR, Priority.WARNING, Priority.INFO, Priority.DEBUG  # N: normal (info)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,7 @@ from r3090d.core.snapshot import (
     MetricsSample,
 )
 from r3090d.units import MIB
+from tests import importgraph
 from tests.configs import bare_config
 from tests.snapshots import HTTP_503, REFUSED, SKIPPED, TIMEOUT, child, drive_to_ready, snap
 
@@ -41,26 +45,66 @@ def ready_state(c, now=0.0):
     return st
 
 
+# What the core may import from the standard library: data types and pure computation.
+# Nothing that reads a clock, touches a file, a socket or a process, or starts a thread.
+CORE_STDLIB = frozenset(
+    {"__future__", "abc", "collections", "dataclasses", "enum", "functools", "itertools", "math", "operator", "re",
+     "statistics", "typing"}
+)  # fmt: skip
+# Loaded by an interpreter that imports the core, these would mean I/O or concurrency came along.
+NOT_LOADED_BY_CORE = frozenset(
+    {"subprocess", "threading", "ctypes", "socket", "tomllib", "select", "selectors", "signal", "tempfile", "shutil",
+     "asyncio", "multiprocessing", "ssl", "http", "urllib", "email", "smtplib", "json", "pathlib", "psutil", "pynvml",
+     "httpx"}
+)  # fmt: skip
+CORE_MODULES = sorted(m for m in importgraph.module_files() if m.startswith("r3090d.core."))
+# Pure modules outside the core: checked file by file (their own imports), not through their closures.
+PURE_FILES = ("preflight/checks.py", "measure/plan.py", "measure/plancheck.py", "measure/prompts.py",
+              "measure/bench_result.py", "config/steps.py", "engineflags.py", "units.py", "versions.py")  # fmt: skip
+
+
 def test_policy_imports_no_io():
+    """Every module that loading the core loads (through the packages above each, and
+    a core module's imports inside functions too) imports nothing of the standard
+    library beyond CORE_STDLIB, and nothing from outside it."""
+    assert "r3090d.core.policy" in CORE_MODULES and len(CORE_MODULES) >= 8, CORE_MODULES
+    loaded = importgraph.closure(CORE_MODULES, follow_lazy=lambda module: module.startswith("r3090d.core"))
+    assert "r3090d.config.schema" in loaded  # the closure does reach past the core
+    offending = [
+        f"{module} imports {imp.module} (line {imp.line})"
+        for module in sorted(loaded)
+        for imp in importgraph.imports_of(module)
+        if not importgraph.is_internal(imp.module)
+        and imp.module.split(".")[0] not in CORE_STDLIB
+        and (not imp.lazy or module.startswith("r3090d.core"))
+    ]
+    assert offending == []
+
+
+def test_importing_the_core_loads_no_io_modules():
+    """A fresh interpreter (no site: nothing a .pth file pulls in) that imports every core module."""
+    root = Path(__file__).resolve().parents[2]
+    script = (
+        "import sys; before = sorted(sys.modules); "
+        + "; ".join(f"import {m}" for m in CORE_MODULES)
+        + "; after = sorted(sys.modules); import r3090d; print(repr((before, after, r3090d.__file__)))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")} | {"PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-S", "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    before, after, package_file = ast.literal_eval(out.stdout)
+    assert Path(package_file).resolve().is_relative_to(root)
+    assert not {m.split(".")[0] for m in before} & NOT_LOADED_BY_CORE  # else the check below proves nothing
+    assert "r3090d.core.policy" in after
+    assert sorted({m.split(".")[0] for m in after} & NOT_LOADED_BY_CORE) == []
+
+
+@pytest.mark.parametrize("relative", PURE_FILES)
+def test_pure_module_imports_no_io(relative):
     forbidden = {"os", "time", "subprocess", "socket", "requests", "pynvml", "psutil", "smtplib", "threading", "urllib", "http"}
-    package = Path(__file__).resolve().parents[2] / "r3090d"
-    pure = sorted((package / "core").glob("*.py")) + [
-        package / name
-        for name in ("preflight/checks.py", "measure/plan.py", "measure/plancheck.py", "measure/prompts.py", "measure/bench_result.py",
-                     "config/steps.py", "engineflags.py", "units.py", "versions.py")
-    ]  # fmt: skip
-    assert len(pure) >= 8 and all(p.exists() for p in pure), pure
-    for path in pure:
-        name = str(path.relative_to(package))
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            mods = []
-            if isinstance(node, ast.Import):
-                mods = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                mods = [node.module]
-            for m in mods:
-                assert m.split(".")[0] not in forbidden, f"{name} imports {m}"
+    module = "r3090d." + relative.removesuffix(".py").replace("/", ".")
+    imported = [imp.module for imp in importgraph.imports_of(module)]
+    assert [m for m in imported if m.split(".")[0] in forbidden] == []
 
 
 def test_start_then_ready_only_on_health_200():

@@ -30,11 +30,9 @@ from r3090d.core.snapshot import (
     InferenceProbeSample,
     MetricsSample,
 )
+from r3090d.core.suspend_types import Op, Outcome, ProcessState, SuspendSample
 from r3090d.core.suspension import Result, Stage
 from r3090d.core.vocabulary import Phase, RestartReason
-from r3090d.effectors.checkpoint import ProcessState
-from r3090d.effectors.suspender import SuspendSample
-from r3090d.effectors.suspender_worker import Op, Outcome
 from r3090d.service import commands
 from r3090d.units import GIB, MIB
 from tests.configs import bare_config

@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from r3090d.core.snapshot import GpuProcess
-from r3090d.effectors.checkpoint import CheckpointError, ProcessState, Step
-from r3090d.effectors.suspender import can_resume, pick_target
-from r3090d.effectors.suspender_worker import DONE, Command, Line, Op, Outcome, execute
+from r3090d.core.suspend_types import Op, Outcome, ProcessState, Step
+from r3090d.core.suspension import can_resume, pick_target
+from r3090d.effectors.checkpoint import CheckpointError
+from r3090d.effectors.suspender_worker import DONE, Command, Line, execute
 from r3090d.units import GIB
 
 
