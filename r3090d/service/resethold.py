@@ -12,8 +12,8 @@ import json
 import logging
 from pathlib import Path
 
+from r3090d.atomicfile import write_text_atomic
 from r3090d.core.xid import ResetHold
-from r3090d.service.state import write_text_atomic
 
 log = logging.getLogger("r3090d")
 

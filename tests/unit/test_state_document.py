@@ -88,7 +88,7 @@ def full_report(suspend: SuspendInfo | None = RESUMED, **policy) -> StateDocumen
     )  # fmt: skip
     stats = exporter.TickStats()
     stats.observe(0.02)
-    stats.observe(0.3, (79,))
+    stats.observe(0.3)
     summary = PreflightSummary(exitcodes.WARNING, (CheckResult("swap", Status.WARN, "on", "off", "swapoff -a"),), NOW - 900)
     return report(st_, snapshot, cfg, identity=DaemonIdentity(1, NOW - 2000, "0.1.0", "gpu1"), offset=OFFSET, written_at=NOW - 1,
                   tick_s=0.0123, preflight=summary, telemetry=stats.to_json(), suspend=suspend)  # fmt: skip
