@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 from r3090d.config.schema import Config
 from r3090d.core.snapshot import GpuSample
-from r3090d.engineflags import flag_value
+from r3090d.engineflags import VLLM_DEFAULT_GPU_MEMORY_UTILIZATION, flag_value
 from r3090d.units import GIB, MIB
 
-VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # The engine's own CUDA context and allocator slack beyond its share of the card.
 ENGINE_CONTEXT_MARGIN = GIB // 2
 
@@ -42,7 +41,7 @@ class Holder:
 
     def text(self) -> str:
         used = f"{self.used_bytes / MIB:.0f} MiB" if self.used_bytes is not None else "? MiB"
-        return f"pid {self.pid} ({self.name or '?'}, {used})"
+        return f"pid {self.pid} ({self.name + ', ' if self.name else ''}{used})"
 
 
 @dataclass(frozen=True)

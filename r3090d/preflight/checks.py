@@ -25,8 +25,9 @@ from r3090d import exitcodes
 from r3090d.cards import CARDS, CardProfile
 from r3090d.config import Config
 from r3090d.core.snapshot import GpuSample, GpuStatus, HostFacts
+from r3090d.core.room import ENGINE_CONTEXT_MARGIN, engine_room, gpu_memory_utilization
 from r3090d.core.suspension import unavailable_here
-from r3090d.engineflags import VLLM_DEFAULT_GPU_MEMORY_UTILIZATION, flag_value
+from r3090d.engineflags import flag_value
 from r3090d.measure.plan import PlanError, estimate_weights, kv_bytes_per_token, shape_from_config
 from r3090d.units import GIB, MIB
 from r3090d.versions import parse_version
@@ -244,42 +245,26 @@ def check_persistence(gpu: GpuSample, cfg: Config) -> CheckResult:
                        f"nvidia-smi -pm {1 if want == 'on' else 0} (or nvidia-persistenced), or set gpu.expect_persistence")  # fmt: skip
 
 
-def _gpu_memory_utilization(cfg: Config) -> float:
-    profile = cfg.active_profile
-    if profile is not None:
-        return profile.gpu_memory_utilization
-    raw = flag_value(cfg.engine.extra_args, "--gpu-memory-utilization")
-    try:
-        return float(raw) if raw is not None else VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
-    except ValueError:
-        return VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
-
-
 def check_vram(gpu: GpuSample, cfg: Config, facts: PreflightFacts) -> CheckResult:
-    util = _gpu_memory_utilization(cfg)
+    """The room for the engine to start (core.room, as every automatic start judges it): other processes may
+    hold the card as long as they leave it."""
+    util = gpu_memory_utilization(cfg)
     if gpu.memory_total is None or gpu.memory_free is None:
         return CheckResult("vram", Status.SKIP, "memory not reported", "")
-    need = util * gpu.memory_total
-    expected = f"no other process; free >= {util:g} x {_mib(gpu.memory_total)} = {need / MIB:.0f} MiB"
-    procs = gpu.processes or ()
-    names = dict(facts.pid_names)
-    foreign = [p for p in procs if p.pid not in facts.own_pids]
-    own = _own((p.pid for p in procs), facts.own_pids)
-    if foreign:
-        held = ", ".join(
-            f"pid {p.pid}" + (f" ({', '.join(x for x in (names.get(p.pid), _mib(p.used_bytes) if p.used_bytes is not None else None) if x)})"
-                              if p.pid in names or p.used_bytes is not None else "")
-            for p in foreign
-        )  # fmt: skip
-        return CheckResult("vram", Status.FAIL, f"held by {held}", expected,
-                           "stop that process (an engine left over from a crash keeps VRAM until killed)", permanent=False)  # fmt: skip
-    if own:
+    room = engine_room(gpu, cfg, tuple(facts.own_pids), facts.pid_names)
+    if room is None:
+        return CheckResult("vram", Status.SKIP, "NVML gives no usable reading", "")
+    expected = (f"free >= {util:g} x {_mib(gpu.memory_total)} = {util * gpu.memory_total / MIB:.0f} MiB "
+                f"+ {ENGINE_CONTEXT_MARGIN / MIB:.0f} MiB for the engine's CUDA context")  # fmt: skip
+    own = _own((p.pid for p in gpu.processes or ()), facts.own_pids)
+    if own and not room.holders:
         return CheckResult("vram", Status.OK, f"held by r3090d's engine (pid {', '.join(map(str, own))})", expected)
-    measured = f"{_mib(gpu.memory_free)} free of {_mib(gpu.memory_total)}"
-    if gpu.processes is None:
-        measured += " (process list not reported)"
-    if gpu.memory_free >= need:
+    measured = room.text() + (" (process list not reported)" if gpu.processes is None else "")
+    if room.fits:
         return CheckResult("vram", Status.OK, measured, expected)
+    if room.holders:
+        return CheckResult("vram", Status.FAIL, measured, expected,
+                           "stop that process (an engine left over from a crash keeps VRAM until killed)", permanent=False)  # fmt: skip
     return CheckResult("vram", Status.FAIL, measured, expected,
                        "something outside NVML's process list holds VRAM (a display server, another container); "
                        "free it or lower gpu_memory_utilization", permanent=False)  # fmt: skip
@@ -303,7 +288,7 @@ def check_suspend(gpu: GpuSample, facts: PreflightFacts, cfg: Config) -> CheckRe
     if facts.checkpoint_state is not None and facts.checkpoint_state.startswith("unavailable"):
         return CheckResult("suspend", Status.SKIP, f"suspend {facts.checkpoint_state}", expected)
     own = [p for p in gpu.processes or () if p.pid in facts.own_pids]
-    engine = sum(p.used_bytes or 0 for p in own) if own else _gpu_memory_utilization(cfg) * (gpu.memory_total or 0)
+    engine = sum(p.used_bytes or 0 for p in own) if own else gpu_memory_utilization(cfg) * (gpu.memory_total or 0)
     asked = f"; the driver answers for {facts.checkpoint_state}" if facts.checkpoint_state else ""
     host = facts.host
     if host.mem_available_bytes is None:
@@ -365,7 +350,7 @@ def check_model_fit(gpu: GpuSample, host: HostFacts, cfg: Config) -> CheckResult
     except PlanError:
         per_token = None
     kv = per_token * max_len if per_token is not None and max_len is not None else 0
-    util = _gpu_memory_utilization(cfg)
+    util = gpu_memory_utilization(cfg)
     budget = util * gpu.memory_total
     need = weights + kv
     kv_text = f"KV {_gib(kv)} for one {max_len}-token sequence" if kv else "KV size unknown"
