@@ -326,11 +326,8 @@ class Streams:
     """Long streaming completions, so that the engine reports requests running."""
 
     def __init__(self, url: str, n: int):
-        import requests
-
         self.url = url
         self.n = n
-        self.requests = requests
         self.stop_event = threading.Event()
         self.chunks = 0
         self.responses = []
@@ -343,15 +340,17 @@ class Streams:
 
     def _one(self) -> None:
         body = {"model": MODEL_NAME, "prompt": "the engine keeps generating", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True}
-        session = self.requests.Session()
-        session.trust_env = False  # loopback: never through a proxy
+        import httpx
+
         try:
-            with session.post(self.url + "/v1/completions", json=body, stream=True, timeout=(5, 60)) as r:
+            # trust_env=False: loopback, never through a proxy
+            with httpx.Client(trust_env=False, timeout=httpx.Timeout(60.0, connect=5.0)) as client, \
+                    client.stream("POST", self.url + "/v1/completions", json=body) as r:  # fmt: skip
                 self.responses.append(r)
                 for line in r.iter_lines():
                     if self.stop_event.is_set():
                         return
-                    if line.startswith(b"data: {"):
+                    if line.startswith("data: {"):
                         self.chunks += 1
         except Exception:  # the engine is killed under it: the stream's end is expected, not an error
             return

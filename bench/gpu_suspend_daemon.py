@@ -166,13 +166,11 @@ class SuspendDaemon(gi.DaemonRun):
         return CtlRun(out.returncode, doc if isinstance(doc, dict) else {}, took, out.stderr.strip())
 
     def healthz(self) -> tuple[int | None, str]:
-        import requests
+        import httpx
 
-        session = requests.Session()
-        session.trust_env = False  # loopback: never through a proxy
         try:
-            r = session.get(self.exporter_url + "/healthz", timeout=2.0)
-        except requests.RequestException as exc:
+            r = httpx.get(self.exporter_url + "/healthz", timeout=2.0, trust_env=False)  # loopback: never through a proxy
+        except httpx.HTTPError as exc:
             return None, type(exc).__name__
         return r.status_code, r.text.strip()
 

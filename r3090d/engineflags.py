@@ -42,19 +42,25 @@ def _is_flag(arg: str) -> bool:
 def flag_value(args: Sequence[str], flag: str, *aliases: str) -> str | None:
     """The value vLLM takes for `flag` (or an alias, e.g. "-tp"): the last occurrence wins, as "--flag value",
     "--flag=value" or "--flag_name"; None when it is not given a value."""
+    found = flag_occurrence(args, flag, *aliases)
+    return found[1] if found is not None else None
+
+
+def flag_occurrence(args: Sequence[str], flag: str, *aliases: str) -> tuple[int, str] | None:
+    """(index of the flag in `args`, its value) for the occurrence flag_value() takes; None when none has a value."""
     names = {canonical_flag(f) for f in (flag, *aliases)}
-    value = None
+    found = None
     i = 0
     while i < len(args):
         arg = str(args[i])
         if _is_flag(arg) and canonical_flag(arg) in names:
             if "=" in arg:
-                value = arg.split("=", 1)[1]
+                found = (i, arg.split("=", 1)[1])
             elif i + 1 < len(args) and not _is_flag(str(args[i + 1])):
-                value = str(args[i + 1])
+                found = (i, str(args[i + 1]))
                 i += 1
         i += 1
-    return value
+    return found
 
 
 def flag_switch(args: Sequence[str], flag: str) -> bool | None:

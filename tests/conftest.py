@@ -6,6 +6,7 @@ import functools
 
 import pytest
 
+from tests import unprivileged as unprivileged_mod
 from tests.fakevllm.harness import FakeVllm, make_engine_python
 
 
@@ -40,3 +41,14 @@ def fake_vllm(fake_engine_python, tmp_path):
     yield launch
     for double in launched:
         double.kill_all()
+
+
+@pytest.fixture
+def unprivileged():
+    """A tests.unprivileged.Unprivileged: a permission test's check, run where root's privileges do not reach."""
+    why_not = unprivileged_mod.available()
+    if why_not:
+        pytest.skip(why_not)
+    scratch = unprivileged_mod.Unprivileged()
+    yield scratch
+    scratch.close()

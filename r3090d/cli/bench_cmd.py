@@ -95,12 +95,12 @@ def server_itl_reader(url: str, model: str):
     """A function returning vLLM's ITL histogram (sum, count) now, or None if /metrics is unreadable."""
 
     from r3090d.probes import engine as engine_probe
-    from r3090d.probes.http import engine_session
+    from r3090d.probes.http import engine_client
 
-    session = engine_session()  # the engine is reached directly, never through a proxy
+    client = engine_client()  # the engine is reached directly, never through a proxy
 
     def read() -> tuple[float, float] | None:
-        text, _why = engine_probe.fetch_metrics(session, url, 5.0)
+        text, _why = engine_probe.fetch_metrics(client, url, 5.0)
         if text is None:
             return None
         sample = engine_probe.parse(text, model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 import click
 
@@ -10,7 +11,11 @@ from r3090d import argv as argvmod
 from r3090d import config as configmod
 from r3090d.cli.common import config_option, ctl, emit_json, instance_option, load_config
 from r3090d.config import ConfigError, steps
-from r3090d.engineflags import flag_value
+from r3090d.config.errors import toml_key
+from r3090d.engineflags import flag_occurrence, flag_value
+
+# vLLM starts with a max_model_len above the model's own when this is "1" or "true" in its environment.
+VLLM_LONG_CONTEXT_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 @ctl.group("config")
@@ -33,7 +38,12 @@ def check(config_path, instance, as_json) -> int:
     except argvmod.EngineNotInstalled as exc:
         raise ConfigError(cfg.source, "engine.python", str(exc), "point it at the venv vLLM is installed in (make engine)") from None
     argv = argvmod.build_argv(cfg, version)
-    step = _longest_step(cfg)
+    from r3090d.measure import modelinfo
+
+    model = modelinfo.read_model_dir(cfg.engine.model)
+    if model.config is not None:
+        _check_context(cfg, model.config, Path(model.path) / "config.json")
+    step = _longest_step(cfg, model)
     warnings = [*cfg.warnings, *steps.window_warnings(cfg.watchdog, step)]
     for warning in warnings:  # removed keys, windows too short for the engine's step; stderr keeps --json clean
         click.echo(f"WARN {warning}", err=True)
@@ -56,16 +66,37 @@ def check(config_path, instance, as_json) -> int:
     return 0
 
 
-def _longest_step(cfg) -> steps.StepEstimate:
+def _check_context(cfg, model_config: dict, config_json: Path) -> None:
+    """Raise ConfigError when the context these settings ask for is longer than vLLM starts the model with."""
+    from r3090d.measure.plan import context_limit
+    from r3090d.preflight.checks import served_context
+
+    limit = context_limit(model_config)
+    context, _ = served_context(cfg, None)
+    if limit is None or context is None or context <= limit.tokens:
+        return
+    if cfg.engine.env.get(VLLM_LONG_CONTEXT_ENV, "").strip().lower() in ("1", "true"):
+        return  # vLLM's own override: it warns and starts
+    why = (f"is above the model's context limit of {limit.tokens} tokens ({limit.source} in {config_json}): "
+           f"vLLM refuses to start with it")  # fmt: skip
+    profile = cfg.active_profile
+    if profile is None:
+        index, _ = flag_occurrence(cfg.engine.extra_args, "--max-model-len")
+        raise ConfigError(cfg.source, f"engine.extra_args[{index}]", f"--max-model-len {context} {why}", f"lower it to {limit.tokens} or less")
+    if "max_model_len" in cfg.profiles.get(cfg.profile, {}):
+        raise ConfigError(cfg.source, f"profiles.{toml_key(cfg.profile)}.max_model_len", f"{context} {why}", f"lower it to {limit.tokens} or less")
+    raise ConfigError(cfg.source, "profile", f"profile {cfg.profile!r} serves max_model_len = {context}, which {why}",
+                      f"set [profiles.{toml_key(cfg.profile)}] max_model_len = {limit.tokens} or less")  # fmt: skip
+
+
+def _longest_step(cfg, model) -> steps.StepEstimate:
     """The longest engine step these settings allow, from extra_args, the profile and the model directory."""
-    from r3090d.measure import modelinfo
     from r3090d.measure.plan import PlanError, estimate_weights, shape_from_config
     from r3090d.preflight.checks import served_context
 
     raw = flag_value(cfg.engine.extra_args, "--max-num-batched-tokens")
     step_tokens = int(raw) if raw is not None and str(raw).isdigit() else None
     shape = params = None
-    model = modelinfo.read_model_dir(cfg.engine.model)
     if model.config is not None:
         try:
             shape = shape_from_config(model.config)

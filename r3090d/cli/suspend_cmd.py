@@ -161,14 +161,14 @@ def resume_command(wait, timeout, as_json, config_path, instance) -> int:
 
 
 def _completion(cfg) -> tuple[bool, float, str]:
-    from r3090d.probes.http import engine_session
+    from r3090d.probes.http import engine_client
 
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     body = {"model": cfg.model_name, "prompt": "ping", "max_tokens": 1, "temperature": 0}
     t0 = time.monotonic()
     try:
-        with engine_session() as session:
-            r = session.post(cfg.engine_url + "/v1/completions", json=body, headers=headers, timeout=cfg.watchdog.probe_timeout + 30)
+        with engine_client(cfg.watchdog.probe_timeout + 30) as client:
+            r = client.post(cfg.engine_url + "/v1/completions", json=body, headers=headers)
         return r.status_code == 200, time.monotonic() - t0, "" if r.status_code == 200 else f"HTTP {r.status_code}"
     except Exception as exc:  # noqa: BLE001 - reported, as a failed step
         return False, time.monotonic() - t0, type(exc).__name__

@@ -85,6 +85,11 @@ class AlertContext:
         return f"gpu{self.gpu_index}" if self.gpu_index is not None else "nogpu"
 
     @property
+    def watched_gpu_uuid(self) -> str | None:
+        """The UUID of the GPU the daemon watches, once NVML has given it; None with gpu.required = false."""
+        return self.gpu_uuid if self.gpu_index is not None else None
+
+    @property
     def gpu_identity(self) -> str:
         """'[name, uuid]' (either part when only one is known), or '' when neither is or no GPU is watched."""
         if self.gpu_index is None:
@@ -193,8 +198,8 @@ def email_body(raised: RaisedAlert) -> str:
         f"Host:     {c.hostname}",
         f"GPU:      {gpu}",
     ]
-    if c.gpu_index is not None and c.gpu_uuid:
-        lines.append(f"GPU UUID: {c.gpu_uuid}")
+    if c.watched_gpu_uuid:
+        lines.append(f"GPU UUID: {c.watched_gpu_uuid}")
     if c.instance is not None:
         lines.append(f"Unit:     r3090d@{c.instance}")
     lines += [

@@ -240,9 +240,9 @@ class AlertmanagerFeed:
             if kind is Kind.EVENT:
                 self._put(one_off_post(raised))
             elif a.state == PostState.RESOLVED:
-                self._resolve(a.key, kind, now, raised.context, a.severity, alert_annotations(a.summary, a.detail))
+                self._resolve(a.key, kind, now, raised.context, a.severity, alert_annotations(a.summary, a.detail, raised.context))
             else:
-                self._fire(a.key, kind, now, raised.context, a.severity, alert_annotations(a.summary, a.detail), post=True)
+                self._fire(a.key, kind, now, raised.context, a.severity, alert_annotations(a.summary, a.detail, raised.context), post=True)
 
     def sync(self, firing: Mapping[str, Firing], context: AlertContext, *, wall_offset: float = 0.0) -> None:
         """The lifecycle's table of what fires: start what is new, resolve conditions no longer in it."""
@@ -257,7 +257,7 @@ class AlertmanagerFeed:
                 since = e.since + wall_offset if e.since is not None else now
                 entry = self._entries.get(key)
                 fresh = entry is None or entry.phase is not Phase.FIRING
-                annotations = merge_text(entry.alert.annotations if entry else (), e.summary)
+                annotations = merge_text(entry.alert.annotations if entry else (), e.summary, context)
                 self._fire(key, kind, since, context, e.severity, annotations, post=fresh)
             for key, entry in list(self._entries.items()):
                 gone = key not in firing and entry.phase in (Phase.FIRING, Phase.ADOPTED)

@@ -15,6 +15,9 @@ by the channel (r3090d.effectors.alertmanager):
     annotations  summary        the alert's one-line summary, the latest
                  root_cause     what follows "root cause: " in a line of the alert's detail, else in
                                 its summary, less the summary's own tail (see root_cause())
+                 gpu_uuid       the GPU's UUID, once NVML has given it (absent with gpu.required = false):
+                                an annotation, not a label, so that an alert raised before NVML
+                                answered stays the same alert once the UUID is known
                  description    the alert's detail, when it has one
     startsAt     when the alert began firing: kept per key for the whole episode
     endsAt       by kind, below
@@ -212,11 +215,13 @@ def root_cause(summary: str, detail: str = "") -> str | None:
     return clip(cause, MAX_ANNOTATION) or None
 
 
-def alert_annotations(summary: str, detail: str = "") -> Pairs:
+def alert_annotations(summary: str, detail: str, context: AlertContext) -> Pairs:
     pairs = [("summary", clip(one_line(summary), MAX_ANNOTATION))]
     cause = root_cause(summary, detail)
     if cause:
         pairs.append(("root_cause", cause))
+    if context.watched_gpu_uuid:
+        pairs.append(("gpu_uuid", clip(one_line(context.watched_gpu_uuid), MAX_ANNOTATION)))
     if detail.strip():
         pairs.append(("description", clip(detail.strip(), MAX_ANNOTATION)))
     return tuple(pairs)
@@ -229,7 +234,7 @@ def one_off_post(raised: RaisedAlert) -> AmPost:
         a.key,
         Kind.EVENT,
         alert_labels(a.key, a.severity, raised.context),
-        alert_annotations(a.summary, a.detail),
+        alert_annotations(a.summary, a.detail, raised.context),
         raised.raised_at,
     )
     if a.state == PostState.RESOLVED:
@@ -237,7 +242,7 @@ def one_off_post(raised: RaisedAlert) -> AmPost:
     return AmPost(alert, PostState.FIRING, raised.raised_at + EVENT_TTL_S, EVENT_TTL_S)
 
 
-def merge_text(annotations: Pairs, summary: str) -> Pairs:
-    """New summary (and root cause) text; a description from an earlier SendAlert stays."""
+def merge_text(annotations: Pairs, summary: str, context: AlertContext) -> Pairs:
+    """New summary (and root cause) text and GPU UUID; a description from an earlier SendAlert stays."""
     kept = tuple((k, v) for k, v in annotations if k == "description")
-    return alert_annotations(summary) + kept
+    return alert_annotations(summary, "", context) + kept

@@ -112,13 +112,12 @@ def resolve_hardware(gpu_memory_gib, bandwidth_gbs, *, need_memory: bool, card: 
 
 def read_engine_cache(url: str, timeout: float = 5.0, model_name: str = ""):
     """(EngineCache, None) from a live engine's /metrics, or (None, why)."""
-    # Imported here: requests is not loaded for every r3090ctl command that imports this module.
+    # Imported here: httpx is not loaded for every r3090ctl command that imports this module.
     from r3090d.probes import engine as engine_probe
-    from r3090d.probes.http import engine_session
+    from r3090d.probes.http import engine_client
 
-
-    with engine_session() as session:  # the engine is reached directly, never through a proxy
-        text, why = engine_probe.fetch_metrics(session, url, timeout)
+    with engine_client() as client:  # the engine is reached directly, never through a proxy
+        text, why = engine_probe.fetch_metrics(client, url, timeout)
     if text is None:
         return None, why
     sample = engine_probe.parse(text, model_name)

@@ -200,6 +200,66 @@ def shape_from_config(config: dict) -> ModelShape:
     )
 
 
+# ------------------------------------------------------------- context limit
+
+# The config.json keys vLLM reads a model's context length from; the smallest one present is the
+# longest max_model_len it derives. model_max_length, where given, is accepted up to as well.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "max_sequence_length", "max_seq_length", "seq_len")  # fmt: skip
+# Rope scalings whose max_position_embeddings already is the stretched length.
+_ROPE_ALREADY_STRETCHED = frozenset({"su", "longrope", "llama3"})
+
+
+@dataclass(frozen=True)
+class ContextLimit:
+    """The longest max_model_len vLLM starts a model with (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set)."""
+
+    tokens: int
+    source: str  # what in config.json gives it: "max_position_embeddings = 4096", "... x rope_scaling factor 4"
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _stretched(tokens: int, source: str, config: dict) -> tuple[int, str]:
+    """`tokens` as vLLM stretches it by the config's rope scaling (gemma3's is local-attention only)."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters")
+    if not isinstance(rope, dict) or "gemma3" in str(config.get("model_type") or ""):
+        return tokens, source
+    rope_type = str(rope.get("rope_type") or rope.get("type") or "")
+    factor = rope.get("factor")
+    if rope_type in _ROPE_ALREADY_STRETCHED or isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 1:
+        return tokens, source
+    original = rope.get("original_max_position_embeddings")
+    if rope_type == "yarn" and _positive_int(original):
+        tokens, source = original, f"rope_scaling original_max_position_embeddings = {original}"
+    return int(tokens * factor), f"{source} x rope_scaling factor {factor:g}"
+
+
+def context_limit(config: dict) -> ContextLimit | None:
+    """The model's context limit as vLLM derives it from config.json; None when the file names no length.
+
+    Where vLLM's reading is uncertain, the longer figure is taken: a limit too
+    short here would refuse a context vLLM serves.
+    """
+    if not isinstance(config, dict):
+        return None
+    config = decoder_config(config)
+    limits: list[tuple[int, str]] = []
+    present = [(config[key], key) for key in CONTEXT_KEYS if _positive_int(config.get(key))]
+    if present:
+        tokens, key = min(present)
+        limits.append(_stretched(tokens, f"{key} = {tokens}", config))
+    override = config.get("model_max_length")
+    if _positive_int(override):
+        limits.append(_stretched(override, f"model_max_length = {override}", config))
+    if not limits:
+        return None
+    tokens, source = max(limits)
+    return ContextLimit(tokens, source)
+
+
 # ---------------------------------------------------------------- KV per token
 
 

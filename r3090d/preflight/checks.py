@@ -30,7 +30,7 @@ from r3090d.core.suspension import unavailable_here
 from r3090d.engineflags import flag_value
 from r3090d.measure.plan import PlanError, estimate_weights, kv_bytes_per_token, shape_from_config
 from r3090d.units import GIB, MIB
-from r3090d.versions import parse_version
+from r3090d.versions import VLLM_LAST_KNOWN_GOOD, newer_than_known_vllm, parse_version
 
 # NVML's total differs from the marketing size by a few hundred MiB on some boards.
 CARD_MEMORY_TOLERANCE = 0.03
@@ -421,7 +421,14 @@ def check_port(host: HostFacts, own_pids: frozenset[int]) -> CheckResult:
 
 def check_vllm(facts: PreflightFacts, cfg: Config) -> CheckResult:
     expected = f"vLLM installed for {cfg.engine.python}"
-    if facts.engine_version:
-        return CheckResult("vllm", Status.OK, f"vLLM {facts.engine_version}", expected)
-    return CheckResult("vllm", Status.FAIL, facts.engine_error or "not found", expected,
-                       "install vLLM into that venv (make engine), or point engine.python at the venv's python")  # fmt: skip
+    if not facts.engine_version:
+        return CheckResult("vllm", Status.FAIL, facts.engine_error or "not found", expected,
+                           "install vLLM into that venv (make engine), or point engine.python at the venv's python")  # fmt: skip
+    measured = f"vLLM {facts.engine_version}"
+    version = parse_version(facts.engine_version)
+    if version is not None and newer_than_known_vllm(version):
+        known = VLLM_LAST_KNOWN_GOOD
+        return CheckResult("vllm", Status.WARN, measured, f"vLLM {known} or older",
+                           f"vLLM {facts.engine_version} is newer than {known}, the last version known to work: its flags "
+                           f"or metrics may have changed; if the engine misbehaves, install vllm=={known} (make engine)")  # fmt: skip
+    return CheckResult("vllm", Status.OK, measured, expected)

@@ -2,7 +2,7 @@
 
 `parse` is pure and is the boundary for untrusted text: whatever it is given, it
 returns an MetricsSample and never raises. The fetchers are thin I/O around
-requests; an expected failure (refused, timeout, HTTP error, oversized body) is a
+httpx; an expected failure (refused, timeout, HTTP error, oversized body) is a
 field or an error string, never an exception.
 
 Why the parse looks the way it does: a real /metrics payload is about 50 KB and
@@ -22,16 +22,16 @@ import functools
 import math
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import requests
-import urllib3.exceptions
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from r3090d.core.snapshot import HealthSample, HealthStatus, MetricsSample
-from r3090d.probes.http import engine_session
+from r3090d.probes.http import engine_client
 
 MAX_METRICS_BYTES = 8 * 1024 * 1024
 # parse() refuses text longer than the fetcher could ever return.
@@ -392,13 +392,14 @@ def _build_sample(chosen: Series, configs: list[Labels], model_name: str) -> Met
 
 # Each probe opens a fresh connection: a pooled keep-alive connection that the
 # server closes between polls would show up as a spurious failure, and loopback
-# connects cost next to nothing. Identity encoding keeps the size cap on real bytes.
+# connects cost next to nothing. "Connection: close" makes the client close the
+# socket once the answer is read, whether or not the server does. Identity
+# encoding keeps the size cap on real bytes.
 _PROBE_HEADERS = {"Connection": "close", "Accept-Encoding": "identity"}
-_CHUNK = 64 * 1024
 
 
 def _chain(exc: BaseException) -> Iterable[BaseException]:
-    """The exception and everything it wraps (cause, context, urllib3's reason, args)."""
+    """The exception and everything it wraps (cause, context, args)."""
     seen: set[int] = set()
     todo = [exc]
     while todo:
@@ -407,21 +408,19 @@ def _chain(exc: BaseException) -> Iterable[BaseException]:
             continue
         seen.add(id(current))
         yield current
-        linked = [current.__cause__, current.__context__, getattr(current, "reason", None)]
+        linked = [current.__cause__, current.__context__]
         linked += [arg for arg in getattr(current, "args", ()) if isinstance(arg, BaseException)]
         todo.extend(item for item in linked if isinstance(item, BaseException))
 
 
 def _is_timeout(exc: BaseException) -> bool:
-    # urllib3's NewConnectionError subclasses its ConnectTimeoutError for history's
-    # sake; a failed connect is not a timeout.
-    if isinstance(exc, urllib3.exceptions.NewConnectionError):
-        return False
-    return isinstance(exc, requests.exceptions.Timeout | urllib3.exceptions.TimeoutError | TimeoutError)
+    # httpx.ConnectTimeout, ReadTimeout, WriteTimeout and PoolTimeout; TimeoutError is socket.timeout.
+    return isinstance(exc, httpx.TimeoutException | TimeoutError)
 
 
 def _classify(exc: BaseException, timeout: float) -> tuple[HealthStatus, str]:
     chain = list(_chain(exc))
+    # httpx.ConnectError carries the OSError of the connect as its cause.
     if any(isinstance(e, ConnectionRefusedError) for e in chain):
         return HealthStatus.REFUSED, "connection refused"
     if any(_is_timeout(e) for e in chain):
@@ -433,26 +432,31 @@ def _url(base_url: str, path: str) -> str:
     return base_url.rstrip("/") + path
 
 
-def probe_health(session: requests.Session, base_url: str, timeout: float) -> HealthSample:
+def _get(client: httpx.Client, base_url: str, path: str, timeout: float) -> httpx.Response:
+    """The answer's status line and headers, the body left unread. Connecting, sending
+    and each read of the headers get `timeout` alone (no pool: every probe connects)."""
+    request = client.build_request("GET", _url(base_url, path), headers=_PROBE_HEADERS, timeout=timeout)
+    return client.send(request, stream=True)
+
+
+def probe_health(client: httpx.Client, base_url: str, timeout: float) -> HealthSample:
     """GET /health: ok on 200; refused, timeout, http (with the status) or error otherwise."""
     started = time.monotonic()
     try:
-        response = session.get(
-            _url(base_url, "/health"), timeout=(timeout, timeout), stream=True, headers=_PROBE_HEADERS
-        )
+        response = _get(client, base_url, "/health", timeout)
     except Exception as exc:  # noqa: BLE001 - every transport failure is a classified sample
         status, detail = _classify(exc, timeout)
         return HealthSample(status=status, latency_s=time.monotonic() - started, detail=detail)
     latency = time.monotonic() - started
     code = response.status_code
-    _discard(response, _connection_of(response))
+    _discard(response)
     if code == 200:
         return HealthSample(status=HealthStatus.OK, http_status=code, latency_s=latency)
     return HealthSample(status=HealthStatus.HTTP, http_status=code, latency_s=latency, detail=f"HTTP {code}")
 
 
 def fetch_metrics(
-    session: requests.Session, base_url: str, timeout: float, max_bytes: int = MAX_METRICS_BYTES
+    client: httpx.Client, base_url: str, timeout: float, max_bytes: int = MAX_METRICS_BYTES
 ) -> tuple[str | None, str | None]:
     """GET /metrics as (text, None), or (None, why). Never raises.
 
@@ -463,12 +467,9 @@ def fetch_metrics(
     started = time.monotonic()
     deadline = started + timeout
     try:
-        response = session.get(
-            _url(base_url, "/metrics"), timeout=(timeout, timeout), stream=True, headers=_PROBE_HEADERS
-        )
+        response = _get(client, base_url, "/metrics", timeout)
     except Exception as exc:  # noqa: BLE001
         return None, _fetch_failure(exc, timeout)
-    connection = _connection_of(response)
     try:
         if response.status_code != 200:
             return None, f"/metrics answered HTTP {response.status_code}"
@@ -482,7 +483,7 @@ def fetch_metrics(
     except Exception as exc:  # noqa: BLE001
         return None, _fetch_failure(exc, timeout)
     finally:
-        _discard(response, connection)
+        _discard(response)
 
 
 def _fetch_failure(exc: BaseException, timeout: float) -> str:
@@ -492,54 +493,76 @@ def _fetch_failure(exc: BaseException, timeout: float) -> str:
     return f"/metrics failed: {detail}"
 
 
-def _connection_of(response: requests.Response) -> object | None:
-    # Taken before the body is read: urllib3 hands the connection back to the pool
-    # once the body is complete, and forgets it.
-    return getattr(response.raw, "connection", None)
+def _discard(response: httpx.Response) -> None:
+    """Close the response, and with it (the request said "Connection: close") its connection."""
+    try:
+        response.close()
+    except Exception:  # noqa: BLE001 - closing what we are done with cannot change the answer
+        pass
 
 
-def _discard(response: requests.Response, connection: object | None) -> None:
-    """Close the response and its connection, so no poll ever reuses a stale socket.
+class _BodyDeadline:
+    """Ends the body's reading at `deadline` by shutting its socket down.
 
-    Not every server closes after answering a "Connection: close" request, and a
-    keep-alive socket that the server drops between two polls would fail the next
-    one. The pool reconnects a closed connection by itself.
+    httpx bounds each read by the read timeout, not the whole body: a server
+    sending a byte just inside each read timeout would hold the poll for ever.
+    A shut-down socket ends the read in progress at once.
     """
-    for close in (response.close, getattr(connection, "close", None)):
-        if close is None:
-            continue
+
+    def __init__(self, response: httpx.Response, deadline: float):
+        self.deadline = deadline
+        self._passed = threading.Event()
+        self._timer: threading.Timer | None = None
+        stream = response.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if isinstance(sock, socket.socket):
+            self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._cut, args=(sock,))
+            self._timer.daemon = True
+            self._timer.name = "metrics-deadline"
+            self._timer.start()
+
+    def _cut(self, sock: socket.socket) -> None:
+        self._passed.set()
         try:
-            close()
-        except Exception:  # noqa: BLE001 - closing what we are done with cannot change the answer
-            pass
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed: the read is over anyway
+
+    @property
+    def passed(self) -> bool:
+        return self._passed.is_set() or time.monotonic() >= self.deadline
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
-def _read_body(response: requests.Response, deadline: float, max_bytes: int) -> bytes | str:
+def _read_body(response: httpx.Response, deadline: float, max_bytes: int) -> bytes | str:
     """The body as bytes, or a string saying why not."""
-    raw = response.raw
-    read_some = getattr(raw, "read1", None)  # urllib3 2: returns what has arrived, at most one recv
-    sock = getattr(getattr(raw, "connection", None), "sock", None)
     parts: list[bytes] = []
     size = 0
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return f"/metrics body not complete within the timeout ({size} bytes read)"
-        if isinstance(sock, socket.socket):
-            # Shrink the per-recv timeout to what is left of the whole budget.
-            sock.settimeout(remaining)
-        chunk = read_some(_CHUNK) if read_some is not None else raw.read(_CHUNK)
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > max_bytes:
-            return f"/metrics body exceeds the {max_bytes}-byte cap"
-        parts.append(chunk)
+    cutoff = _BodyDeadline(response, deadline)
+    try:
+        for chunk in response.iter_raw():  # each chunk as it arrives: the cap stops the read itself
+            size += len(chunk)
+            if size > max_bytes:
+                return f"/metrics body exceeds the {max_bytes}-byte cap"
+            parts.append(chunk)
+            if cutoff.passed:
+                break
+    except httpx.TransportError:
+        if not cutoff.passed:
+            raise
+    finally:
+        cutoff.cancel()
+    # A body without Content-Length ends where the socket does, the shut-down one too.
+    if cutoff.passed:
+        return f"/metrics body not complete within the timeout ({size} bytes read)"
     return b"".join(parts)
 
 
 class EngineProbe:
-    """Health and metrics of one vLLM endpoint, with its own HTTP session."""
+    """Health and metrics of one vLLM endpoint, with its own HTTP client."""
 
     def __init__(
         self,
@@ -554,20 +577,20 @@ class EngineProbe:
         self.health_timeout = health_timeout
         self.metrics_timeout = metrics_timeout
         self.max_bytes = max_bytes
-        self._session = engine_session()
+        self._client = engine_client()
 
     def health(self) -> HealthSample:
-        return probe_health(self._session, self.base_url, self.health_timeout)
+        return probe_health(self._client, self.base_url, self.health_timeout)
 
     def metrics(self) -> tuple[MetricsSample, str | None]:
         """The parsed sample and the raw text (None when the fetch failed)."""
-        text, error = fetch_metrics(self._session, self.base_url, self.metrics_timeout, self.max_bytes)
+        text, error = fetch_metrics(self._client, self.base_url, self.metrics_timeout, self.max_bytes)
         if text is None:
             return MetricsSample(error=error), None
         return parse(text, self.model_name), text
 
     def close(self) -> None:
-        self._session.close()
+        self._client.close()
 
     def __enter__(self) -> EngineProbe:
         return self

@@ -14,10 +14,10 @@ import threading
 import time
 from dataclasses import replace
 
-import requests
+import httpx
 
 from r3090d.core.snapshot import InferenceProbeSample
-from r3090d.probes.http import engine_session
+from r3090d.probes.http import engine_client
 
 _MAX_DETAIL = 200
 OVERDUE_MARGIN_S = 2.0
@@ -83,17 +83,17 @@ class InferenceProber:
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
         body = {"model": self._model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
-        timeout = (min(5.0, self._timeout), self._timeout)
-        with engine_session() as session:
-            with session.post(self._url, json=body, headers=headers, timeout=timeout, stream=True) as resp:
+        timeout = httpx.Timeout(self._timeout, connect=min(5.0, self._timeout))
+        with engine_client(timeout) as client:
+            with client.stream("POST", self._url, json=body, headers=headers) as resp:
                 ok = resp.status_code == 200
                 return ok, "" if ok else f"HTTP {resp.status_code}"
 
     def _describe(self, exc: Exception) -> str:
         name = type(exc).__name__
-        if isinstance(exc, requests.Timeout):
+        if isinstance(exc, httpx.TimeoutException):
             return f"no answer within {self._timeout:.0f} s ({name})"
-        if isinstance(exc, requests.RequestException):
+        if isinstance(exc, httpx.HTTPError | httpx.InvalidURL):
             # Their messages can quote the request's headers, the key among them.
             return name
         message = str(exc)

@@ -48,7 +48,8 @@ needs_alertmanager = pytest.mark.skipif(
     BINARY is None,
     reason="no Alertmanager binary (prometheus-alertmanager or alertmanager) on PATH: apt-get install prometheus-alertmanager",
 )
-CTX = AlertContext(hostname="gpu-host", gpu_index=0, gpu_name="NVIDIA GeForce RTX 3090", instance=1)
+UUID = "GPU-5f2e1c7a-0b3d-4e8f-9a61-2c7d3e4f5a6b"
+CTX = AlertContext(hostname="gpu-host", gpu_index=0, gpu_name="NVIDIA GeForce RTX 3090", instance=1, gpu_uuid=UUID)
 CAUSE = "torch.OutOfMemoryError: CUDA out of memory"
 GAVE_UP = SendAlert(
     "gave_up",
@@ -196,8 +197,8 @@ def test_firing_alert_has_its_labels_reaches_the_webhook_and_resends_keep_it_pas
         before = time.time()
         d.submit(GAVE_UP)
         got = wait_until(lambda: alertmanager.find("gave_up"), 10, what="gave_up in GET /api/v2/alerts")
-        assert got["labels"] == EXPECTED_LABELS
-        assert got["annotations"] == {"summary": GAVE_UP.summary, "root_cause": CAUSE}
+        assert got["labels"] == EXPECTED_LABELS  # the UUID is no label: a label names the alert
+        assert got["annotations"] == {"summary": GAVE_UP.summary, "root_cause": CAUSE, "gpu_uuid": UUID}
         assert got["status"]["state"] == "active"
         starts, first_end = parse_time(got["startsAt"]), parse_time(got["endsAt"])
         assert before - 0.01 <= starts <= time.time()

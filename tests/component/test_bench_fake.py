@@ -13,11 +13,13 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
-import requests
 
 from r3090d.measure import loadgen, prompts
 from r3090d.probes import engine as engine_probe
+from r3090d.probes.http import engine_client
+from tests.fakevllm.harness import http
 
 pytestmark = pytest.mark.component
 
@@ -39,9 +41,9 @@ def double(fake_vllm):
     return start
 
 
-def server_sample(url: str, model: str, session: requests.Session | None = None):
+def server_sample(url: str, model: str, client: httpx.Client | None = None):
     """The double's /metrics as the daemon's probe reads them; None while they cannot be fetched."""
-    text, _ = engine_probe.fetch_metrics(session or requests.Session(), url, 5.0)
+    text, _ = engine_probe.fetch_metrics(client or http(), url, 5.0)
     return None if text is None else engine_probe.parse(text, model)
 
 
@@ -116,19 +118,19 @@ def test_the_doubles_tokenize_agrees_with_its_usage(double):
     d = double(0.001)
     text = "one two three four five"
     for chat, body in ((False, {"prompt": text}), (True, {"messages": [{"role": "user", "content": text}]})):
-        answer = requests.post(d.url + "/tokenize", json={"model": "fake", **body}, timeout=10)
+        answer = http().post(d.url + "/tokenize", json={"model": "fake", **body}, timeout=10)
         assert answer.status_code == 200, answer.text
         tokenized = answer.json()
         assert set(tokenized) == {"count", "max_model_len", "tokens"}
         assert tokenized["count"] == len(tokenized["tokens"]) and isinstance(tokenized["max_model_len"], int)
-        done = requests.post(d.url + ("/v1/chat/completions" if chat else "/v1/completions"), json={"model": "fake", "max_tokens": 2, **body}, timeout=10)
+        done = http().post(d.url + ("/v1/chat/completions" if chat else "/v1/completions"), json={"model": "fake", "max_tokens": 2, **body}, timeout=10)
         assert done.status_code == 200, done.text
         assert done.json()["usage"]["prompt_tokens"] == tokenized["count"]
-    bad = requests.post(d.url + "/tokenize", json={"model": "fake", "prompt": 7}, timeout=10)
+    bad = http().post(d.url + "/tokenize", json={"model": "fake", "prompt": 7}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == 400
-    unknown = requests.post(d.url + "/tokenize", json={"model": "nope", "prompt": text}, timeout=10)
+    unknown = http().post(d.url + "/tokenize", json={"model": "nope", "prompt": text}, timeout=10)
     assert unknown.status_code == 404 and "does not exist" in unknown.json()["error"]["message"]
-    assert requests.get(d.url + "/tokenize", timeout=10).status_code == 405
+    assert http().get(d.url + "/tokenize", timeout=10).status_code == 405
 
 
 def test_256_streams_from_one_process_keep_up_with_the_engine(double):
@@ -199,9 +201,9 @@ def test_engine_death_mid_run_is_counted_not_raised(double, tmp_path):
     def kill_once_streaming():
         # Once both of the run's streams are in flight (each lasts 5 s), however slowly bench
         # started; its single test request beforehand must get through.
-        session = requests.Session()
+        client = engine_client()
         while not given_up.is_set():
-            sample = server_sample(d.url, "fake", session)
+            sample = server_sample(d.url, "fake", client)
             if sample is not None and (sample.running or 0) >= 2:
                 os.kill(core_pid, signal.SIGKILL)
                 return

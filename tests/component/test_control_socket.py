@@ -24,12 +24,11 @@ from pathlib import Path
 import pytest
 
 from r3090d.service import control, control_client, control_protocol
+from tests.unprivileged import SYSTEM_PYTHON, copy_source
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 
-REPO = Path(__file__).resolve().parents[2]
-SYSTEM_PYTHON = "/usr/bin/python3"  # a python other users can run (the dev python may live under /root)
 GROUP = "r3090d-ctltest"
 INSIDER = "r3090d-ctlin"
 OUTSIDER = "r3090d-ctlout"
@@ -267,11 +266,7 @@ def test_a_user_outside_the_daemons_group_is_refused_and_a_member_is_served(requ
     # pytest's tmp_path is private to root: the code goes where other users can read it.
     code_dir = Path(tempfile.mkdtemp(prefix="r3090d-client-", dir="/tmp"))
     request.addfinalizer(lambda: shutil.rmtree(code_dir, ignore_errors=True))
-    shutil.copytree(REPO / "r3090d", code_dir / "r3090d", ignore=shutil.ignore_patterns("__pycache__"))
-    for root, _dirs, files in os.walk(code_dir):
-        os.chmod(root, 0o755)
-        for f in files:
-            os.chmod(Path(root) / f, 0o644)
+    copy_source(code_dir)
 
     def as_user(user: str) -> subprocess.CompletedProcess:
         argv = ["runuser", "-u", user, "--", SYSTEM_PYTHON, "-I", "-c", CLIENT, str(code_dir), str(d.runtime_dir)]

@@ -9,12 +9,13 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
-import requests
 
 from r3090d.core.snapshot import HealthStatus
 from r3090d.probes import inference
 from r3090d.probes.engine import EngineProbe, fetch_metrics, probe_health
+from r3090d.probes.http import engine_client
 from r3090d.probes.inference import InferenceProber
 from tests.canned_reply_server import CannedReplyServer
 from tests.waiting import wait_until
@@ -196,20 +197,20 @@ def test_health_ok(serve):
 
 def test_health_503_is_http_with_status(serve):
     engine = serve({"/health": answer(503, "engine dead\n")})
-    sample = probe_health(requests.Session(), engine.url, timeout=2)
+    sample = probe_health(engine_client(), engine.url, timeout=2)
     assert sample.status is HealthStatus.HTTP
     assert sample.http_status == 503
 
 
 def test_health_refused(closed_url):
-    sample = probe_health(requests.Session(), closed_url, timeout=2)
+    sample = probe_health(engine_client(), closed_url, timeout=2)
     assert sample.status is HealthStatus.REFUSED
     assert sample.http_status is None
 
 
 def test_health_timeout_is_bounded(silent_url):
     started = time.monotonic()
-    sample = probe_health(requests.Session(), silent_url, timeout=0.5)
+    sample = probe_health(engine_client(), silent_url, timeout=0.5)
     elapsed = time.monotonic() - started
     assert sample.status is HealthStatus.TIMEOUT
     assert 0.4 <= elapsed < 3.0
@@ -221,15 +222,15 @@ def test_health_connection_dropped_is_error(serve):
         handler.close_connection = True  # close without writing a status line
 
     engine = serve({"/health": hang_up})
-    sample = probe_health(requests.Session(), engine.url, timeout=2)
+    sample = probe_health(engine_client(), engine.url, timeout=2)
     assert sample.status is HealthStatus.ERROR
     assert sample.detail
 
 
 @pytest.mark.parametrize("base_url", ["not a url", "ftp://127.0.0.1:1", "http://[::1"])
 def test_unusable_base_url_is_an_error_not_an_exception(base_url):
-    assert probe_health(requests.Session(), base_url, timeout=1).status is HealthStatus.ERROR
-    text, error = fetch_metrics(requests.Session(), base_url, timeout=1)
+    assert probe_health(engine_client(), base_url, timeout=1).status is HealthStatus.ERROR
+    text, error = fetch_metrics(engine_client(), base_url, timeout=1)
     assert text is None and error.startswith("/metrics failed")
 
 
@@ -264,7 +265,7 @@ def test_metrics_real_capture(serve, body, kv_usage, free_blocks):
 
 def test_metrics_503(serve):
     engine = serve({"/metrics": answer(503, "no\n")})
-    text, error = fetch_metrics(requests.Session(), engine.url, timeout=2)
+    text, error = fetch_metrics(engine_client(), engine.url, timeout=2)
     assert text is None and "HTTP 503" in error
 
 
@@ -277,20 +278,20 @@ def test_metrics_refused(closed_url):
 
 def test_metrics_silent_server_times_out(silent_url):
     started = time.monotonic()
-    text, error = fetch_metrics(requests.Session(), silent_url, timeout=0.5)
+    text, error = fetch_metrics(engine_client(), silent_url, timeout=0.5)
     assert text is None and "timed out" in error
     assert time.monotonic() - started < 3.0
 
 
 def test_metrics_over_the_cap_by_content_length(serve):
     engine = serve({"/metrics": answer(200, KV_FULL)})
-    text, error = fetch_metrics(requests.Session(), engine.url, timeout=2, max_bytes=len(KV_FULL) - 1)
+    text, error = fetch_metrics(engine_client(), engine.url, timeout=2, max_bytes=len(KV_FULL) - 1)
     assert text is None and "cap" in error
 
 
 def test_metrics_exactly_at_the_cap_is_read(serve):
     engine = serve({"/metrics": answer(200, KV_FULL)})
-    text, error = fetch_metrics(requests.Session(), engine.url, timeout=2, max_bytes=len(KV_FULL.encode()))
+    text, error = fetch_metrics(engine_client(), engine.url, timeout=2, max_bytes=len(KV_FULL.encode()))
     assert error is None and text == KV_FULL
 
 
@@ -298,7 +299,7 @@ def test_metrics_over_the_cap_while_streaming(serve):
     # No Content-Length: the cap must stop the read itself, long before the 64 MB the server offers.
     engine = serve({"/metrics": stream_without_length(64 * 1024 * 1024)})
     started = time.monotonic()
-    text, error = fetch_metrics(requests.Session(), engine.url, timeout=5, max_bytes=1024 * 1024)
+    text, error = fetch_metrics(engine_client(), engine.url, timeout=5, max_bytes=1024 * 1024)
     assert text is None and "cap" in error
     assert time.monotonic() - started < 5
 
@@ -306,7 +307,7 @@ def test_metrics_over_the_cap_while_streaming(serve):
 def test_metrics_slow_trickle_is_cut_at_the_timeout(serve):
     engine = serve({"/metrics": trickle(interval=0.02, limit_s=20)})
     started = time.monotonic()
-    text, error = fetch_metrics(requests.Session(), engine.url, timeout=1.0)
+    text, error = fetch_metrics(engine_client(), engine.url, timeout=1.0)
     elapsed = time.monotonic() - started
     assert text is None and error is not None
     assert "timeout" in error or "timed out" in error
@@ -314,10 +315,21 @@ def test_metrics_slow_trickle_is_cut_at_the_timeout(serve):
     assert 0.9 <= elapsed < 3.0
 
 
+def test_metrics_trickle_inside_each_read_timeout_is_cut_at_the_deadline(serve):
+    # A byte every 0.9 s never trips a 1 s read timeout: only the whole-body deadline ends it,
+    # at 1 s, not at the first byte after it (1.8 s).
+    engine = serve({"/metrics": trickle(interval=0.9, limit_s=20)})
+    started = time.monotonic()
+    text, error = fetch_metrics(engine_client(), engine.url, timeout=1.0)
+    elapsed = time.monotonic() - started
+    assert text is None and error.startswith("/metrics body not complete within the timeout")
+    assert 0.9 <= elapsed < 1.7
+
+
 def test_metrics_short_body_is_an_error_not_a_truncated_text(serve):
     body = KV_FULL.encode()
     engine = serve({"/metrics": short_body(body[:1000], declared=len(body))})
-    text, error = fetch_metrics(requests.Session(), engine.url, timeout=2)
+    text, error = fetch_metrics(engine_client(), engine.url, timeout=2)
     assert text is None and error is not None
 
 
@@ -376,9 +388,9 @@ def run_inference_probe(prober: InferenceProber, wake: threading.Event):
 
 
 def test_the_proxy_trap_catches_a_client_that_trusts_the_environment(serve, proxy_trap):
-    # Shows the next test can fail: a default requests client does go to the trap, key and all.
+    # Shows the next test can fail: a default httpx client does go to the trap, key and all.
     engine = serve({"/health": answer(200)})
-    response = requests.get(engine.url + "/health", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=5)
+    response = httpx.get(engine.url + "/health", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=5)
     assert response.status_code == 502
     assert proxy_trap.connections == 1 and API_KEY.encode() in proxy_trap.received
     assert engine.requests == []
@@ -400,8 +412,8 @@ def test_no_probe_goes_through_a_proxy_from_the_environment(serve, proxy_trap):
 
 def test_an_unexpected_exception_fails_the_probe_and_frees_it(serve):
     # A key with a character outside Latin-1 (a typographic quote pasted along with
-    # it) cannot go in a header: http.client raises UnicodeEncodeError, which is no
-    # requests exception.
+    # it) cannot go in a header: httpx raises UnicodeEncodeError, which is no
+    # httpx exception.
     engine = serve({"/v1/completions": completion})
     wake = threading.Event()
     prober = InferenceProber(engine.url, MODEL, "sk-\u201ckey\u201d", timeout=5, wake=wake)
@@ -420,7 +432,7 @@ def test_an_exception_inside_the_client_fails_the_probe(serve, monkeypatch):
         raise RuntimeError("boom")
 
     engine = serve({"/v1/completions": completion})
-    monkeypatch.setattr(requests.Session, "request", explode)  # the client library's boundary
+    monkeypatch.setattr(httpx.Client, "send", explode)  # the client library's boundary
     wake = threading.Event()
     sample = run_inference_probe(InferenceProber(engine.url, MODEL, API_KEY, timeout=5, wake=wake), wake)
     assert sample.ok is False and "RuntimeError" in sample.detail and "boom" in sample.detail

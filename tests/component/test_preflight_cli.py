@@ -76,6 +76,15 @@ def test_gpu_not_required_passes_or_warns(tmp_path, fake_engine_python):
     assert rows["driver"] == "SKIP" and rows["port"] == "OK" and rows["vllm"] == "OK"
 
 
+def test_unknown_newer_vllm_warns_naming_both_versions(tmp_path, make_fake_engine_python):
+    out = preflight("--config", write_config(tmp_path, make_fake_engine_python("0.40.0"), gpu_required=False), "--json")
+    assert "Traceback" not in out.stderr
+    by = {c["name"]: c for c in json.loads(out.stdout)["checks"]}
+    assert (by["vllm"]["status"], by["vllm"]["measured"]) == ("warn", "vLLM 0.40.0")
+    assert "vLLM 0.40.0 is newer than 0.32.0, the last version known to work" in by["vllm"]["hint"]
+    assert out.returncode == 1 or any(c["status"] == "fail" for c in by.values()), out.stdout
+
+
 def test_engine_without_vllm_fails(tmp_path):
     out = preflight("--config", write_config(tmp_path, sys.executable, gpu_required=False), "--json")
     by = {c["name"]: c for c in json.loads(out.stdout)["checks"]}

@@ -46,7 +46,7 @@ def test_firing_condition_body_has_labels_annotations_start_and_end_four_resends
             "gave_up",
             amp.Kind.CONDITION,
             amp.alert_labels("gave_up", "critical", CTX),
-            amp.alert_annotations(f"gave up: 2 start failures; root cause: {CAUSE}; the engine stays stopped until r3090ctl restart"),
+            amp.alert_annotations(f"gave up: 2 start failures; root cause: {CAUSE}; the engine stays stopped until r3090ctl restart", "", CTX),
             WALL,
         ),
         amp.PostState.FIRING,
@@ -121,13 +121,46 @@ def test_labels_keep_only_what_is_known_and_are_one_line():
 
 
 def test_description_is_the_detail_and_a_detail_line_names_the_root_cause():
-    annotations = dict(amp.alert_annotations("s; root cause: from the summary", "evidence\nroot cause: from the detail\n"))
+    annotations = dict(amp.alert_annotations("s; root cause: from the summary", "evidence\nroot cause: from the detail\n", CTX))
     assert annotations == {
         "summary": "s; root cause: from the summary",
         "root_cause": "from the detail",
         "description": "evidence\nroot cause: from the detail",
     }
-    assert dict(amp.alert_annotations("no cause here")) == {"summary": "no cause here"}
+    assert dict(amp.alert_annotations("no cause here", "", CTX)) == {"summary": "no cause here"}
+
+
+UUID = "GPU-5f2e1c7a-0b3d-4e8f-9a61-2c7d3e4f5a6b"
+
+
+def test_the_gpu_uuid_is_an_annotation_never_a_label():
+    with_uuid = dataclasses.replace(CTX, gpu_uuid=UUID)
+    annotations = dict(amp.alert_annotations("KV cache full", "evidence", with_uuid))
+    assert annotations == {"summary": "KV cache full", "gpu_uuid": UUID, "description": "evidence"}
+    assert amp.alert_labels("kv_pressure", "warning", with_uuid) == amp.alert_labels("kv_pressure", "warning", CTX)
+    assert UUID not in repr(amp.alert_labels("kv_pressure", "warning", with_uuid))
+    assert "gpu_uuid" not in dict(amp.alert_annotations("KV cache full", "", CTX))  # not known yet
+    # gpu.required = false: no GPU is watched, so none is named.
+    unwatched = dataclasses.replace(with_uuid, gpu_index=None)
+    assert "gpu_uuid" not in dict(amp.alert_annotations("KV cache full", "", unwatched))
+
+
+def test_a_uuid_learnt_mid_episode_joins_the_annotations_and_keeps_the_alert():
+    f, [q] = feed()
+    f.on_alert(raised(at=WALL))  # before NVML answered
+    learnt = dataclasses.replace(CTX, gpu_uuid=UUID)
+    f.on_alert(raised(state="reminder", summary="KV cache still full", ctx=learnt, at=WALL + 3600))
+    # What the lifecycle's table fires (sync), and an event, name it too.
+    held = type("Entry", (), {"severity": "warning", "summary": "GPU memory used 23600 MiB", "since": 0.0})()
+    f.sync({"kv_pressure": held, "gpu_memory": held}, learnt)
+    f.on_alert(raised(key="test", severity="info", summary="a test", ctx=learnt, at=WALL + 3700))
+    first, remind, synced, test = q.items
+    assert first.alert.labels == remind.alert.labels and first.alert.starts_at == remind.alert.starts_at
+    assert "gpu_uuid" not in dict(first.alert.annotations)
+    assert dict(remind.alert.annotations)["gpu_uuid"] == UUID
+    assert synced.alert.key == "gpu_memory" and dict(synced.alert.annotations)["gpu_uuid"] == UUID
+    assert dict(test.alert.annotations)["gpu_uuid"] == UUID
+    f.close()
 
 
 def _crashed(gen):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,10 @@ import pytest
 
 from r3090d import argv as argvmod
 from r3090d import config as configmod
+from r3090d import exitcodes
 from r3090d.config import ConfigError
+from tests import unprivileged as unprivileged_mod
+from tests.unprivileged import SYSTEM_PYTHON
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -424,12 +428,38 @@ def test_secret_over_the_size_cap_is_refused(tmp_path, model_dir):
     assert configmod.from_dict(from_base(model_dir, engine={"api_key_file": str(key)})).api_key == "k" * configmod.SECRET_MAX_BYTES
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
-def test_unreadable_secret_is_refused(tmp_path, model_dir):
-    key = tmp_path / "key"
-    key.write_text("k")
+# The config loaded in a child without root's privileges: its uid, then the API key's length or the error.
+LOAD_CONFIG = """
+import json, os, sys
+from r3090d import config as configmod, exitcodes
+print(os.geteuid())
+try:
+    cfg = configmod.from_dict(json.loads(sys.argv[1]), "r3090d.toml")
+except configmod.ConfigError as exc:
+    print(exc.one_line())
+    sys.exit(exitcodes.CONFIG)
+print(f"an API key of {len(cfg.api_key)} characters")
+"""
+
+
+def test_unreadable_secret_is_refused(unprivileged):
+    model = unprivileged.mkdir("model")
+    (model / "config.json").write_text("{}")
+    (model / "config.json").chmod(0o644)
+    key = unprivileged.mkdir("secrets") / "key"
+    key.write_text("sk-test")
+    data = json.dumps({"engine": {"python": SYSTEM_PYTHON, "model": str(model), "api_key_file": str(key)}, "gpu": {"required": False}})
+    uid = unprivileged_mod.expected_uid()
+    # The same child reads the key once the file's mode lets it: the import, the paths and the
+    # user all work, so the refusal below is the file's permission alone.
+    key.chmod(0o644)
+    readable = unprivileged.python(LOAD_CONFIG, data)
+    assert (readable.returncode, readable.stdout) == (0, f"{uid}\nan API key of 7 characters\n"), readable.stderr
     key.chmod(0)
-    refused(from_base(model_dir, engine={"api_key_file": str(key)}), key="engine.api_key_file", problem="cannot read")
+    out = unprivileged.python(LOAD_CONFIG, data)
+    assert (out.returncode, out.stderr) == (exitcodes.CONFIG, ""), out.stderr
+    assert out.stdout == (f"{uid}\nr3090d.toml: engine.api_key_file: cannot read {key}: Permission denied "
+                          "(fix: check the file exists and the service user can read it)\n")  # fmt: skip
 
 
 def test_secret_directory_is_refused(tmp_path, model_dir):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from r3090d.engineflags import canonical_flag, flag_switch, flag_value
+from r3090d.engineflags import canonical_flag, flag_occurrence, flag_switch, flag_value
 
 
 @pytest.mark.parametrize(
@@ -29,6 +29,12 @@ from r3090d.engineflags import canonical_flag, flag_switch, flag_value
 )
 def test_flag_value(args, value):
     assert flag_value(args, "--max-model-len") == value
+
+
+def test_flag_occurrence_is_where_the_value_flag_value_takes_stands():
+    assert flag_occurrence(["--enforce-eager", "--max-model-len", "8", "--max_model_len=9"], "--max-model-len") == (3, "9")
+    assert flag_occurrence(["--max-model-len", "8", "--max-model-len"], "--max-model-len") == (0, "8")
+    assert flag_occurrence(["--enforce-eager"], "--max-model-len") is None
 
 
 def test_aliases_are_one_flag_and_the_last_of_them_wins():

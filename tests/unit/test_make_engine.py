@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from r3090d.versions import VLLM_LAST_KNOWN_GOOD
+
 REPO = Path(__file__).resolve().parents[2]
-VERSION = "0.32.0"
+# The pin and preflight's last known-good vLLM are one version: what make engine installs is what is known to work.
+VERSION = str(VLLM_LAST_KNOWN_GOOD)
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from r3090d.measure.modelinfo import (
     read_safetensors_header,
 )
 from r3090d.measure.plan import Quantization, shape_from_config
+from tests import unprivileged as unprivileged_mod
 
 ELEMENT_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I8": 1, "U8": 1}
 QWEN_CONFIG = json.loads((Path(__file__).parents[1] / "data" / "qwen2.5-7b-config.json").read_text())
@@ -224,12 +224,34 @@ def test_not_a_directory(tmp_path):
     assert "is not a directory" in read_model_dir(tmp_path / "file").error
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
-def test_unreadable_shard(tmp_path):
-    d = model_dir(tmp_path)
-    write_safetensors(d / "model.safetensors", {"a": ("BF16", [4])})
-    (d / "model.safetensors").chmod(0)
-    assert "unreadable" in read_model_dir(d).error
+# The model directory read in a child without root's privileges: its uid, the error, each file's error, the bytes.
+READ_MODEL = """
+import os, sys
+from r3090d.measure.modelinfo import read_model_dir
+facts = read_model_dir(sys.argv[1])
+print(os.geteuid())
+print(facts.error)
+print([(w.name, w.error) for w in facts.weight_files])
+print(facts.weight_bytes)
+"""
+
+
+def test_unreadable_shard(unprivileged):
+    d = model_dir(unprivileged.dir)
+    d.chmod(0o755)
+    (d / "config.json").chmod(0o644)
+    shard = d / "model.safetensors"
+    write_safetensors(shard, {"a": ("BF16", [4])})
+    uid = unprivileged_mod.expected_uid()
+    # Readable, the same child counts the shard: what fails below is the file's mode alone.
+    shard.chmod(0o644)
+    readable = unprivileged.python(READ_MODEL, str(d))
+    assert (readable.returncode, readable.stdout) == (0, f"{uid}\nNone\n[('model.safetensors', None)]\n8\n"), readable.stderr
+    shard.chmod(0)
+    out = unprivileged.python(READ_MODEL, str(d))
+    assert (out.returncode, out.stderr) == (0, ""), out.stderr
+    unreadable = "unreadable: Permission denied"
+    assert out.stdout == f"{uid}\nmodel.safetensors: {unreadable}\n[('model.safetensors', {unreadable!r})]\nNone\n"
 
 
 def test_agrees_with_the_safetensors_library(tmp_path):

@@ -322,3 +322,40 @@ def test_card_names():
     assert cards.card_for_name("NVIDIA GeForce RTX 3090").key == "rtx3090"
     assert cards.card_for_name("NVIDIA H200") is None
     assert cards.CARDS["rtx3090"].bandwidth_gbs == 936.0
+
+
+@pytest.mark.parametrize(
+    "config, tokens, source",
+    [
+        ({"max_position_embeddings": 4096}, 4096, "max_position_embeddings = 4096"),
+        # The smallest of vLLM's length keys, whichever names it.
+        ({"max_position_embeddings": 4096, "seq_length": 2048}, 2048, "seq_length = 2048"),
+        ({"n_positions": 1024}, 1024, "n_positions = 1024"),
+        # Rope scaling stretches it; yarn from its original length.
+        ({"max_position_embeddings": 32768, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+         131072, "rope_scaling original_max_position_embeddings = 32768 x rope_scaling factor 4"),
+        ({"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": 2}}, 8192,
+         "max_position_embeddings = 4096 x rope_scaling factor 2"),
+        # Llama 3.1's and longrope's max_position_embeddings already is the stretched length; gemma3's is local.
+        ({"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 131072, "max_position_embeddings = 131072"),
+        ({"model_type": "gemma3_text", "max_position_embeddings": 131072, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+         131072, "max_position_embeddings = 131072"),
+        # model_max_length is accepted up to, where longer.
+        ({"max_position_embeddings": 4096, "model_max_length": 8192}, 8192, "model_max_length = 8192"),
+        ({"max_position_embeddings": 4096, "model_max_length": 2048}, 4096, "max_position_embeddings = 4096"),
+        # A multimodal wrapper's decoder is under text_config.
+        ({"text_config": {"num_hidden_layers": 2, "max_position_embeddings": 8192}, "vision_config": {"max_position_embeddings": 256}},
+         8192, "max_position_embeddings = 8192"),
+    ],
+)  # fmt: skip
+def test_context_limit_as_vllm_derives_it(config, tokens, source):
+    assert plan.context_limit(config) == plan.ContextLimit(tokens, source)
+
+
+@pytest.mark.parametrize("config", [{}, {"architectures": ["X"]}, {"max_position_embeddings": "4096"}, {"max_position_embeddings": True}, [], None])
+def test_no_context_limit_without_a_length_in_config_json(config):
+    assert plan.context_limit(config) is None
+
+
+def test_the_shipped_qwen_config_allows_its_full_context():
+    assert plan.context_limit(QWEN).tokens == 131072

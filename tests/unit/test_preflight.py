@@ -359,6 +359,20 @@ def test_vllm_missing_is_a_permanent_failure():
     assert r.status is Status.FAIL and r.permanent and "not installed" in r.measured
 
 
+@pytest.mark.parametrize(
+    "version, status",
+    [("0.32.0", Status.OK), ("0.32.0+cpu", Status.OK), ("0.32.0.post1", Status.OK), ("0.31.2", Status.OK),
+     ("0.10.2rc1", Status.OK), ("0.32.1", Status.WARN), ("0.33.0rc1", Status.WARN), ("0.32.1.dev45+g1234abc", Status.WARN),
+     ("0.40.0", Status.WARN), ("1.0.0+cpu", Status.WARN)],
+)  # fmt: skip
+def test_vllm_newer_than_the_last_known_to_work_warns(version, status):
+    # A build of the known release (+cpu, .post1) is that release; a pre-release of the next one is not.
+    r = results(dataclasses.replace(FACTS, engine_version=version))["vllm"]
+    assert r.status is status and r.measured == f"vLLM {version}"
+    if status is Status.WARN:
+        assert f"vLLM {version} is newer than 0.32.0, the last version known to work" in r.hint
+
+
 def test_exit_codes():
     ok = preflight.CheckResult("a", Status.OK, "", "")
     skip = preflight.CheckResult("b", Status.SKIP, "", "")
