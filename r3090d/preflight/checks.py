@@ -24,8 +24,8 @@ from packaging.version import Version
 from r3090d import exitcodes
 from r3090d.cards import CARDS, CardProfile
 from r3090d.config import Config
-from r3090d.core.snapshot import GpuSample, GpuStatus, HostFacts
 from r3090d.core.room import ENGINE_CONTEXT_MARGIN, engine_room, gpu_memory_utilization
+from r3090d.core.snapshot import GpuSample, GpuStatus, HostFacts
 from r3090d.core.suspension import unavailable_here
 from r3090d.engineflags import flag_value
 from r3090d.measure.plan import PlanError, estimate_weights, kv_bytes_per_token, shape_from_config
