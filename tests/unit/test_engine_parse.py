@@ -625,3 +625,16 @@ def test_data_parallel_engines_against_a_reference(case):
     assert sample.num_gpu_blocks == expected["num_gpu_blocks"]
     assert dict(sample.cache_config)["num_gpu_blocks"] == str(expected["num_gpu_blocks"])
     assert sample.running == expected["running"] and sample.waiting == expected["waiting"]
+
+
+def test_served_counts_completed_requests_not_aborted_or_failed_ones():
+    """vllm:request_success_total in stop, length and repetition says the engine served; abort and error do not."""
+    text = IDLE
+    for reason, n in (("stop", 7), ("length", 3), ("repetition", 1), ("abort", 50), ("error", 9)):
+        old = f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="tiny"}} 0.0'
+        assert old in text
+        text = text.replace(old, old.replace(" 0.0", f" {n}.0"))
+    assert parse(IDLE, "tiny").served_total == 0.0
+    assert parse(text, "tiny").served_total == 11.0
+    only_aborts = IDLE.replace('finished_reason="abort",model_name="tiny"} 0.0', 'finished_reason="abort",model_name="tiny"} 4.0')
+    assert parse(only_aborts, "tiny").served_total == 0.0
