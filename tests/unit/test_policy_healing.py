@@ -399,3 +399,12 @@ def test_a_detector_that_fires_on_an_engine_that_served_does_not_widen():
         r.tick(ch=dead(gen), gpu=card(r.now + 0.5, procs=()))
         r.ready_again(gen + 1, gpu=card(r.now + 0.5, procs=((101, 8 * GIB),)))
     assert r.st.detector_scale == ()
+
+
+def test_exit_on_give_up_says_that_the_daemon_exits():
+    c = bare_config(watchdog={"give_up_retry": 0, "backoff_initial": 0.0, "backoff_max": 0.0}, daemon={"exit_on_give_up": True},
+                    alerts={"min_interval": 0.0})  # fmt: skip
+    r = Run(c)
+    give_up(r, 1)
+    (gave_up,) = [a.summary for a in r.sent if a.key == "gave_up"]
+    assert "the daemon exits with code 79" in gave_up and "stays stopped" not in gave_up
