@@ -179,3 +179,14 @@ def test_gpu_idle_firing_twice_in_a_row_widens_its_window(make_daemon, tmp_path,
         stop.set()
     assert "alert detector_widened firing: gpu_idle fired twice in a row" in d.log()
     assert "from 1.5 s to 3 s" in d.log() and "watchdog.gpu_idle_stall_seconds" in d.log()
+
+
+def test_exit_on_give_up_says_what_it_does_and_exits_79(make_daemon):
+    d = make_daemon(args=("--skip-preflight",), extra_args=["--fake-exit-during-start", "1"], daemon={"exit_on_give_up": True},
+                    watchdog={"poll_interval": 0.3, "backoff_initial": 0.2, "backoff_max": 0.5, "give_up_retry": 0})  # fmt: skip
+    d.start()
+    assert d.proc.wait_exit(90) == 79
+    log = d.log()
+    assert "the daemon exits 79 once the engine is stopped (daemon.exit_on_give_up)" in log
+    assert "alert gave_up firing: gave up (the daemon exits with code 79" in log
+    assert "the daemon stays up" not in log and "stays stopped" not in log, log[-3000:]
