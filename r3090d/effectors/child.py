@@ -26,6 +26,7 @@ import psutil
 from r3090d import procstat
 from r3090d.core import rootcause
 from r3090d.core.snapshot import ChildSample
+from r3090d.probes.cgroup import OomKillCount, OomKillCounter
 
 log = logging.getLogger("r3090d.engine")
 
@@ -37,6 +38,7 @@ log = logging.getLogger("r3090d.engine")
 FAST_STOP_GRACE_S = 1.0
 DRAIN_MARGIN_S = 10.0  # beyond vLLM's --shutdown-timeout before SIGKILL
 REAP_TIMEOUT_S = 15.0  # SIGKILLed processes in D state can take a while to go
+OUTPUT_DRAIN_S = 0.5  # after the API server's exit, for the reader to take in what it printed last
 
 
 def group_members(pgid: int) -> tuple[int, ...]:
@@ -81,8 +83,11 @@ def _signal_group(pgid: int, sig: int) -> None:
 class EngineProcess:
     """Owns at most one engine process tree at a time."""
 
-    def __init__(self, wake: threading.Event, *, log_lines: int = 200, echo=None):
+    def __init__(self, wake: threading.Event, *, log_lines: int = 200, echo=None, oom_kills: OomKillCounter | None = None):
         self._wake = wake
+        self._oom_kills = oom_kills if oom_kills is not None else OomKillCounter()
+        self._oom_at_start = self._oom_at_exit = OomKillCount(None)
+        self._oom_unreadable_told = False
         self._lock = threading.Lock()
         self._tail: collections.deque[str] = collections.deque(maxlen=log_lines)
         self._echo = echo  # callable(line) for the engine's output, or None to use logging
@@ -109,6 +114,10 @@ class EngineProcess:
             self._spawn_error = None
             self._started_at = time.monotonic()
             self._tail.clear()  # a root cause must come from this engine's own output
+            self._oom_at_start, self._oom_at_exit = self._oom_kills.read(), OomKillCount(None)
+            if self._oom_at_start.error and not self._oom_unreadable_told:
+                self._oom_unreadable_told = True
+                log.warning("an OOM kill of the engine cannot be told from another death: %s", self._oom_at_start.error)
             try:
                 proc = subprocess.Popen(
                     argv,
@@ -130,8 +139,9 @@ class EngineProcess:
             self._proc = proc
             self._pgid = proc.pid  # session leader: pgid == pid
             generation = self._generation
-        threading.Thread(target=self._read_output, args=(proc,), name="engine-output", daemon=True).start()
-        threading.Thread(target=self._wait_exit, args=(proc, generation), name="engine-waiter", daemon=True).start()
+        reader = threading.Thread(target=self._read_output, args=(proc,), name="engine-output", daemon=True)
+        reader.start()
+        threading.Thread(target=self._wait_exit, args=(proc, generation, reader), name="engine-waiter", daemon=True).start()
 
     def _read_output(self, proc: subprocess.Popen) -> None:
         from r3090d.service.journal import VLLM_LOGGER, VllmLineClassifier
@@ -150,10 +160,16 @@ class EngineProcess:
             else:
                 relay.log(levels.classify(line).logging_level, "[vllm] %s", line)
 
-    def _wait_exit(self, proc: subprocess.Popen, generation: int) -> None:
+    def _wait_exit(self, proc: subprocess.Popen, generation: int, reader: threading.Thread) -> None:
         code = proc.wait()
+        # Its last lines (the ones that say why) may still be in the pipe: the root
+        # cause is read from the tail as soon as the exit is published. The reader
+        # ends at EOF at once, unless an orphan still holds the pipe open.
+        reader.join(OUTPUT_DRAIN_S)
+        oom_at_exit = self._oom_kills.read()  # the kill is counted before its SIGKILL is sent
         with self._lock:
             if generation == self._generation:
+                self._oom_at_exit = oom_at_exit
                 self._exit_code = code
                 self._exited_at = time.monotonic()
         self._wake.set()
@@ -220,7 +236,9 @@ class EngineProcess:
     def sample(self) -> ChildSample:
         with self._lock:
             proc, pgid = self._proc, self._pgid
-            alive = proc is not None and self._exited_at is None and proc.poll() is None
+            # Alive until the waiter publishes the exit with its code, after the
+            # reader has taken in the last lines: never "dead, code unknown".
+            alive = proc is not None and self._exited_at is None
             stopping = self._stopper is not None and self._stopper.is_alive()
             fields = dict(
                 pid=proc.pid if proc is not None else None,
@@ -236,7 +254,13 @@ class EngineProcess:
             if self._spawn_error is not None:
                 fields["root_cause"], fields["root_cause_certain"] = self._spawn_error, True
             elif self._exit_code is not None:
-                fields["root_cause"], fields["root_cause_certain"] = rootcause.find(list(self._tail))  # a copy: the reader thread appends
+                why = rootcause.explain(
+                    exit_code=self._exit_code,
+                    log_lines=list(self._tail),  # a copy: the reader thread appends
+                    oom_kills_at_start=self._oom_at_start.count,
+                    oom_kills_at_exit=self._oom_at_exit.count,
+                )
+                fields.update(root_cause=why.cause, root_cause_certain=why.cause is not None, last_log_line=why.last_log_line)
         tree = group_members(pgid) if pgid is not None else ()
         return ChildSample(tree_pids=tree, **fields)
 
