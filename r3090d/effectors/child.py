@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import signal
 import subprocess
 import threading
@@ -38,7 +39,12 @@ log = logging.getLogger("r3090d.engine")
 FAST_STOP_GRACE_S = 1.0
 DRAIN_MARGIN_S = 10.0  # beyond vLLM's --shutdown-timeout before SIGKILL
 REAP_TIMEOUT_S = 15.0  # SIGKILLed processes in D state can take a while to go
-OUTPUT_DRAIN_S = 0.5  # after the API server's exit, for the reader to take in what it printed last
+# After the API server's exit, the longest wait for the reader to take in what
+# it printed last. With a pidfd the reader says when it has, and the bound is
+# only a safety net; without one it waits for EOF, which an orphan holding the
+# pipe delays, so the wait is short.
+OUTPUT_DRAIN_S = 10.0
+OUTPUT_DRAIN_WITHOUT_PIDFD_S = 0.5
 
 
 def group_members(pgid: int) -> tuple[int, ...]:
@@ -139,11 +145,22 @@ class EngineProcess:
             self._proc = proc
             self._pgid = proc.pid  # session leader: pgid == pid
             generation = self._generation
-        reader = threading.Thread(target=self._read_output, args=(proc,), name="engine-output", daemon=True)
-        reader.start()
-        threading.Thread(target=self._wait_exit, args=(proc, generation, reader), name="engine-waiter", daemon=True).start()
+            exit_fd = _exit_fd(proc.pid)  # before the waiter can reap it
+        drained = threading.Event()
+        threading.Thread(target=self._read_output, args=(proc, exit_fd, drained), name="engine-output", daemon=True).start()
+        drain_s = OUTPUT_DRAIN_S if exit_fd is not None else OUTPUT_DRAIN_WITHOUT_PIDFD_S
+        threading.Thread(target=self._wait_exit, args=(proc, generation, drained, drain_s), name="engine-waiter", daemon=True).start()
 
-    def _read_output(self, proc: subprocess.Popen) -> None:
+    def _read_output(self, proc: subprocess.Popen, exit_fd: int | None, drained: threading.Event) -> None:
+        """Relay the engine's output, line by line, until EOF; set `drained` once
+        the API server has exited and all it wrote is in the tail.
+
+        Its last lines are the ones that say why it died, and the exit is
+        published (and the root cause read) only after `drained`. Orphans may
+        hold the pipe open long after, so EOF cannot be the sign: the exit is
+        seen on a pidfd, and then the pipe is read until it is empty, which
+        takes in everything the dead process wrote.
+        """
         from r3090d.service.journal import VLLM_LOGGER, VllmLineClassifier
 
         assert proc.stdout is not None
@@ -152,20 +169,44 @@ class EngineProcess:
         # an open traceback must not outlive the output it belongs to.
         levels = VllmLineClassifier()
         relay = logging.getLogger(VLLM_LOGGER)
-        for raw in proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip("\n")
+
+        def take(raw: bytes) -> None:
+            line = raw.decode("utf-8", "replace")
             self._tail.append(line)
             if self._echo is not None:
                 self._echo(line)
             else:
                 relay.log(levels.classify(line).logging_level, "[vllm] %s", line)
 
-    def _wait_exit(self, proc: subprocess.Popen, generation: int, reader: threading.Thread) -> None:
+        pipe = proc.stdout.fileno()
+        os.set_blocking(pipe, False)
+        poller = select.poll()
+        poller.register(pipe, select.POLLIN)
+        if exit_fd is not None:
+            poller.register(exit_fd, select.POLLIN)
+        partial = b""
+        try:
+            while True:
+                ready = {fd for fd, _ in poller.poll()}
+                data, eof = _read_available(pipe)
+                *lines, partial = (partial + data).split(b"\n")
+                for raw in lines:
+                    take(raw)
+                if eof:
+                    if partial:
+                        take(partial)
+                    return
+                if exit_fd is not None and exit_fd in ready:
+                    poller.unregister(exit_fd)
+                    drained.set()
+        finally:
+            drained.set()
+            if exit_fd is not None:
+                os.close(exit_fd)
+
+    def _wait_exit(self, proc: subprocess.Popen, generation: int, drained: threading.Event, drain_s: float) -> None:
         code = proc.wait()
-        # Its last lines (the ones that say why) may still be in the pipe: the root
-        # cause is read from the tail as soon as the exit is published. The reader
-        # ends at EOF at once, unless an orphan still holds the pipe open.
-        reader.join(OUTPUT_DRAIN_S)
+        drained.wait(drain_s)
         oom_at_exit = self._oom_kills.read()  # the kill is counted before its SIGKILL is sent
         with self._lock:
             if generation == self._generation:
@@ -281,6 +322,28 @@ class EngineProcess:
                 self._proc.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def _exit_fd(pid: int) -> int | None:
+    """A pidfd that turns readable when `pid` exits; None where the kernel
+    (before 5.3) or a seccomp filter refuses one."""
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
+def _read_available(fd: int) -> tuple[bytes, bool]:
+    """Everything the non-blocking pipe `fd` holds now, and whether it reached EOF."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return b"".join(chunks), False
+        if not chunk:
+            return b"".join(chunks), True
+        chunks.append(chunk)
 
 
 def _send(proc: subprocess.Popen, sig: int) -> None:

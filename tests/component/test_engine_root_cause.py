@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,31 @@ def test_a_missing_memory_events_file_is_no_cause_and_no_exception(engines, tmp_
     counter = OomKillCounter(cgroup_root=tmp_path / "nowhere", self_cgroup=tmp_path / "nowhere" / "cgroup")
     s = exited(engines(printing([STARTUP_COMPLETE], "os.kill(os.getpid(), signal.SIGKILL)"), counter))
     assert s.root_cause == "killed by SIGKILL"
+
+
+def test_the_exit_is_published_with_its_last_lines_while_an_orphan_holds_the_pipe(tmp_path):
+    """The engine prints a long log, ending with why it fails, and exits; a child
+    it left behind keeps the pipe open (EngineCore does, after an API server's
+    death), so no EOF comes. The first sample that shows the exit already has the
+    cause, from the very last lines."""
+    lines = (DATA / "vllm-0.32-max-model-len-over-limit.txt").read_text().splitlines()
+    script = (
+        "import os, sys, time\n"
+        "if os.fork() == 0:\n    time.sleep(120)\n    os._exit(0)\n"  # the orphan, in the engine's group
+        f"sys.stdout.write('INFO filler line of the engine, to fill the pipe\\n' * 3000 + {chr(10).join(lines)!r} + '\\n')\n"
+        "sys.stdout.flush()\n"
+        "sys.exit(1)\n"
+    )
+    wake = threading.Event()
+    # A slow relay (a loaded journal): a full pipe's worth of lines is still
+    # unread when the engine exits.
+    engine = EngineProcess(wake, echo=lambda line: time.sleep(0.001))
+    engine.spawn([sys.executable, "-c", script], dict(os.environ))
+    try:
+        assert wake.wait(60), "the engine's exit was not seen"
+        s = engine.sample()
+        assert not s.alive and s.exit_code == 1 and s.tree_pids, s
+        assert s.root_cause is not None and s.root_cause.startswith("Value error, User-specified max_model_len (999999)"), s
+        assert s.last_log_line == lines[-1].strip()
+    finally:
+        engine.kill_now()
