@@ -14,6 +14,7 @@ reacts at once rather than at its next tick.
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import os
 import select
@@ -188,15 +189,15 @@ class EngineProcess:
         try:
             while True:
                 ready = {fd for fd, _ in poller.poll()}
-                data, eof = _read_available(pipe)
+                data, left = _read_available(pipe)
                 *lines, partial = (partial + data).split(b"\n")
                 for raw in lines:
                     take(raw)
-                if eof:
+                if left is _Pipe.EOF:
                     if partial:
                         take(partial)
                     return
-                if exit_fd is not None and exit_fd in ready:
+                if exit_fd is not None and exit_fd in ready and left is _Pipe.EMPTY:
                     poller.unregister(exit_fd)
                     drained.set()
         finally:
@@ -333,17 +334,31 @@ def _exit_fd(pid: int) -> int | None:
         return None
 
 
-def _read_available(fd: int) -> tuple[bytes, bool]:
-    """Everything the non-blocking pipe `fd` holds now, and whether it reached EOF."""
-    chunks = []
-    while True:
+class _Pipe(enum.Enum):
+    """What is left in a pipe after a read."""
+
+    EMPTY = "empty"  # nothing, for now
+    MORE = "more"  # the read stopped at its bound
+    EOF = "eof"  # every writer has closed it
+
+
+READ_BOUND = 1 << 20  # bytes per read round: an engine that floods its output is relayed as it goes
+
+
+def _read_available(fd: int) -> tuple[bytes, _Pipe]:
+    """What the non-blocking pipe `fd` holds now, up to READ_BOUND, and what is left."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < READ_BOUND:
         try:
             chunk = os.read(fd, 65536)
         except BlockingIOError:
-            return b"".join(chunks), False
+            return b"".join(chunks), _Pipe.EMPTY
         if not chunk:
-            return b"".join(chunks), True
+            return b"".join(chunks), _Pipe.EOF
         chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks), _Pipe.MORE
 
 
 def _send(proc: subprocess.Popen, sig: int) -> None:

@@ -134,3 +134,23 @@ def test_the_exit_is_published_with_its_last_lines_while_an_orphan_holds_the_pip
         assert s.last_log_line == lines[-1].strip()
     finally:
         engine.kill_now()
+
+
+def test_a_flood_of_output_is_relayed_whole_and_its_last_line_says_why():
+    """More than one read round's worth (1 MiB) in one burst: no line is lost or
+    split, and the cause printed last is found."""
+    seen: list[str] = []
+    script = (  # 80,000 lines of 44 bytes: 3.4 MiB
+        "import sys\n"
+        "sys.stdout.write(''.join('INFO 12-02 05:00:00 [x.py:1] filler %07d\\n' % i for i in range(80000)))\n"
+        "print('ValueError: the flood says why', flush=True)\n"
+        "sys.exit(1)\n"
+    )
+    engine = EngineProcess(threading.Event(), echo=seen.append)
+    engine.spawn([sys.executable, "-c", script], dict(os.environ))
+    try:
+        s = exited(engine)
+        assert (s.root_cause, s.last_log_line) == ("ValueError: the flood says why", "ValueError: the flood says why")
+        assert len(seen) == 80001 and seen[12345] == "INFO 12-02 05:00:00 [x.py:1] filler 0012345", seen[12345]
+    finally:
+        engine.kill_now()
