@@ -11,6 +11,9 @@ from __future__ import annotations
 import enum
 import logging
 import re
+from dataclasses import dataclass
+
+from r3090d.core import rootcause
 
 # Relayed vLLM lines go through their own logger, set to DEBUG by the daemon:
 # vLLM already decided which of its lines to print (VLLM_LOGGING_LEVEL), and the
@@ -73,19 +76,32 @@ _LEVELS = {
 }
 
 
+@dataclass
+class _Traceback:
+    """An open traceback block of one process."""
+
+    lines: int = 0  # seen since its first line
+    ended: bool = False  # its exception line was seen: only that exception's own lines may follow
+    errors_to_come: int = 0  # a pydantic ValidationError's errors whose message line has not come yet
+
+
 class VllmLineClassifier:
     """The priority of each line of one engine's output, in order.
 
     Most lines carry vLLM's or uvicorn's level word. An uncaught exception does
     not: Python prints `Traceback (most recent call last):`, indented frames,
-    then the exception at column 0, all bare. Those lines are ERROR, so the
+    then the exception at column 0, all bare. Those lines are ERROR, and so are
+    the exception's own lines after it: indented ones (a pydantic
+    ValidationError's message and footer, an exception group's members) and a
+    ValidationError's field names at column 0, because the line that says why
+    is often among them and `journalctl -p warning` must show it. The
     classifier remembers an open traceback, per process tag: vLLM's processes
     share one pipe, and EngineCore's traceback may interleave with the API
     server's lines.
     """
 
     def __init__(self) -> None:
-        self._open: dict[str, int] = {}  # process tag -> lines seen in its open traceback
+        self._open: dict[str, _Traceback] = {}  # process tag -> its open traceback
 
     def classify(self, line: str) -> Priority:
         m = _PROCESS_TAG.match(line)
@@ -96,19 +112,34 @@ class VllmLineClassifier:
             # A logged line inside a traceback (another thread) keeps its own level.
             return _LEVELS[level.group(1)]
         if _TRACEBACK_START.match(text):
-            self._open[tag] = 0
+            self._open[tag] = _Traceback()
             return Priority.ERR
-        if tag in self._open:
-            seen = self._open[tag] + 1
-            if text[:1] not in ("", " ", "\t") and _EXCEPTION_LINE.match(text):
+        block = self._open.get(tag)
+        if block is not None and self._in_block(block, text):
+            block.lines += 1
+            if block.lines >= MAX_TRACEBACK_LINES:
                 del self._open[tag]
-            elif seen >= MAX_TRACEBACK_LINES:
-                del self._open[tag]
-            else:
-                self._open[tag] = seen
             return Priority.ERR
+        self._open.pop(tag, None)
         if _ERROR_SENTENCES.match(text):
             return Priority.ERR
         if _PYTHON_WARNING.match(text):
             return Priority.WARNING
         return Priority.INFO
+
+    @staticmethod
+    def _in_block(block: _Traceback, text: str) -> bool:
+        """Whether `text` belongs to the open traceback `block` (and update what it waits for)."""
+        at_column_0 = text[:1] not in ("", " ", "\t")
+        if not block.ended:
+            if at_column_0 and _EXCEPTION_LINE.match(text):
+                block.ended = True
+                block.errors_to_come = rootcause.validation_errors(text)
+            return True
+        if not at_column_0:
+            if not text.strip():
+                return False  # a blank line ends it: what follows is a new sentence
+            if rootcause.is_validation_message(text) and block.errors_to_come:
+                block.errors_to_come -= 1
+            return True
+        return block.errors_to_come > 0  # the field name above a ValidationError's message

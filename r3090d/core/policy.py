@@ -58,6 +58,7 @@ from r3090d.core.actions import (
     SuspendRecord,
 )
 from r3090d.core.room import Room, engine_room
+from r3090d.core.rootcause import nothing_says_why
 from r3090d.core.snapshot import HealthStatus, Snapshot
 from r3090d.core.suspension import Result, SuspendResult, Suspension
 from r3090d.core.vocabulary import FAST_DETECTORS, SUSPEND_PHASES, Phase, RestartKind, RestartReason, Severity
@@ -343,7 +344,7 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
         what = "exited during start" if st.phase is Phase.STARTING else "exited"
         # An exit we did not ask for is a failure whatever its code: vLLM can
         # exit 0 after its engine died.
-        return _fail(snap, st, cfg, now, actions, events, RestartReason.EXITED, f"engine {what} with code {code}", drain=False)
+        return _fail(snap, st, cfg, now, actions, events, RestartReason.EXITED, f"engine {what} with code {code}{nothing_says_why(child.root_cause, child.last_log_line)}", drain=False)
 
     if st.phase is Phase.STARTING:
         if snap.health.status is HealthStatus.OK:

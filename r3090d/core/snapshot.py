@@ -214,8 +214,9 @@ class ChildSample:
     tree_pids: tuple[int, ...] = ()  # live processes of the engine's process group
     spawn_error: str | None = None  # the spawn itself failed (bad python path, ...)
     generation: int = 0  # increments at each spawn
-    root_cause: str | None = None  # after an exit: the line of the engine's log that says why (rootcause.py)
-    root_cause_certain: bool = False  # an exception or ERROR line, not just the last line printed
+    root_cause: str | None = None  # after an exit: why it died (rootcause.py); None when nothing says why
+    root_cause_certain: bool = False  # root_cause says why (an OOM kill, a signal, an exception, an ERROR line)
+    last_log_line: str | None = None  # after an exit: the engine's last line, where it stopped (not a cause)
 
     @property
     def tree_gone(self) -> bool:

@@ -14,8 +14,10 @@ reacts at once rather than at its next tick.
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import os
+import select
 import signal
 import subprocess
 import threading
@@ -26,9 +28,17 @@ import psutil
 from r3090d import procstat
 from r3090d.core import rootcause
 from r3090d.core.snapshot import ChildSample
+from r3090d.probes.cgroup import OomKillCount, OomKillCounter
 from r3090d.vllmlines import VLLM_LOGGER, VllmLineClassifier
 
 log = logging.getLogger("r3090d.engine")
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 # After SIGTERM to the group, before SIGKILL. A fast stop is for an engine judged
 # hung, frozen or half dead (a drained stop has its own deadline), which cannot act
@@ -38,6 +48,12 @@ log = logging.getLogger("r3090d.engine")
 FAST_STOP_GRACE_S = 1.0
 DRAIN_MARGIN_S = 10.0  # beyond vLLM's --shutdown-timeout before SIGKILL
 REAP_TIMEOUT_S = 15.0  # SIGKILLed processes in D state can take a while to go
+# After the API server's exit, the longest wait for the reader to take in what
+# it printed last. With a pidfd the reader says when it has, and the bound is
+# only a safety net; without one it waits for EOF, which an orphan holding the
+# pipe delays, so the wait is short.
+OUTPUT_DRAIN_S = 10.0
+OUTPUT_DRAIN_WITHOUT_PIDFD_S = 0.5
 
 
 def group_members(pgid: int) -> tuple[int, ...]:
@@ -82,8 +98,11 @@ def _signal_group(pgid: int, sig: int) -> None:
 class EngineProcess:
     """Owns at most one engine process tree at a time."""
 
-    def __init__(self, wake: threading.Event, *, log_lines: int = 200, echo=None):
+    def __init__(self, wake: threading.Event, *, log_lines: int = 200, echo=None, oom_kills: OomKillCounter | None = None):
         self._wake = wake
+        self._oom_kills = oom_kills if oom_kills is not None else OomKillCounter()
+        self._oom_at_start = self._oom_at_exit = OomKillCount(None)
+        self._oom_unreadable_told = False
         self._lock = threading.Lock()
         self._tail: collections.deque[str] = collections.deque(maxlen=log_lines)
         self._echo = echo  # callable(line) for the engine's output, or None to use logging
@@ -110,6 +129,10 @@ class EngineProcess:
             self._spawn_error = None
             self._started_at = time.monotonic()
             self._tail.clear()  # a root cause must come from this engine's own output
+            self._oom_at_start, self._oom_at_exit = self._oom_kills.read(), OomKillCount(None)
+            if self._oom_at_start.error and not self._oom_unreadable_told:
+                self._oom_unreadable_told = True
+                log.warning("an OOM kill of the engine cannot be told from another death: %s", self._oom_at_start.error)
             try:
                 proc = subprocess.Popen(
                     argv,
@@ -131,28 +154,70 @@ class EngineProcess:
             self._proc = proc
             self._pgid = proc.pid  # session leader: pgid == pid
             generation = self._generation
-        threading.Thread(target=self._read_output, args=(proc,), name="engine-output", daemon=True).start()
-        threading.Thread(target=self._wait_exit, args=(proc, generation), name="engine-waiter", daemon=True).start()
+            exit_fd = _exit_fd(proc.pid)  # before the waiter can reap it
+        drained = threading.Event()
+        threading.Thread(target=self._read_output, args=(proc, exit_fd, drained), name="engine-output", daemon=True).start()
+        drain_s = OUTPUT_DRAIN_S if exit_fd is not None else OUTPUT_DRAIN_WITHOUT_PIDFD_S
+        threading.Thread(target=self._wait_exit, args=(proc, generation, drained, drain_s), name="engine-waiter", daemon=True).start()
 
-    def _read_output(self, proc: subprocess.Popen) -> None:
+    def _read_output(self, proc: subprocess.Popen, exit_fd: int | None, drained: threading.Event) -> None:
+        """Relay the engine's output, line by line, until EOF; set `drained` once
+        the API server has exited and all it wrote is in the tail.
+
+        Its last lines are the ones that say why it died, and the exit is
+        published (and the root cause read) only after `drained`. Orphans may
+        hold the pipe open long after, so EOF cannot be the sign: the exit is
+        seen on a pidfd, and then the pipe is read until it is empty, which
+        takes in everything the dead process wrote.
+        """
         assert proc.stdout is not None
         # Relayed at vLLM's own level, so the journal stores an EngineCore traceback
         # at priority 3 and `journalctl -p warning` shows it. One per engine process:
         # an open traceback must not outlive the output it belongs to.
         levels = VllmLineClassifier()
         relay = logging.getLogger(VLLM_LOGGER)
-        for raw in proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip("\n")
+
+        def take(raw: bytes) -> None:
+            line = raw.decode("utf-8", "replace")
             self._tail.append(line)
             if self._echo is not None:
                 self._echo(line)
             else:
                 relay.log(levels.classify(line).logging_level, "[vllm] %s", line)
 
-    def _wait_exit(self, proc: subprocess.Popen, generation: int) -> None:
+        pipe = proc.stdout.fileno()
+        os.set_blocking(pipe, False)
+        poller = select.poll()
+        poller.register(pipe, select.POLLIN)
+        if exit_fd is not None:
+            poller.register(exit_fd, select.POLLIN)
+        partial = b""
+        try:
+            while True:
+                ready = {fd for fd, _ in poller.poll()}
+                data, left = _read_available(pipe)
+                *lines, partial = (partial + data).split(b"\n")
+                for raw in lines:
+                    take(raw)
+                if left is _Pipe.EOF:
+                    if partial:
+                        take(partial)
+                    return
+                if exit_fd is not None and exit_fd in ready and left is _Pipe.EMPTY:
+                    poller.unregister(exit_fd)
+                    drained.set()
+        finally:
+            drained.set()
+            if exit_fd is not None:
+                os.close(exit_fd)
+
+    def _wait_exit(self, proc: subprocess.Popen, generation: int, drained: threading.Event, drain_s: float) -> None:
         code = proc.wait()
+        drained.wait(drain_s)
+        oom_at_exit = self._oom_kills.read()  # the kill is counted before its SIGKILL is sent
         with self._lock:
             if generation == self._generation:
+                self._oom_at_exit = oom_at_exit
                 self._exit_code = code
                 self._exited_at = time.monotonic()
         self._wake.set()
@@ -219,7 +284,9 @@ class EngineProcess:
     def sample(self) -> ChildSample:
         with self._lock:
             proc, pgid = self._proc, self._pgid
-            alive = proc is not None and self._exited_at is None and proc.poll() is None
+            # Alive until the waiter publishes the exit with its code, after the
+            # reader has taken in the last lines: never "dead, code unknown".
+            alive = proc is not None and self._exited_at is None
             stopping = self._stopper is not None and self._stopper.is_alive()
             fields = dict(
                 pid=proc.pid if proc is not None else None,
@@ -235,7 +302,13 @@ class EngineProcess:
             if self._spawn_error is not None:
                 fields["root_cause"], fields["root_cause_certain"] = self._spawn_error, True
             elif self._exit_code is not None:
-                fields["root_cause"], fields["root_cause_certain"] = rootcause.find(list(self._tail))  # a copy: the reader thread appends
+                why = rootcause.explain(
+                    killed_by=signal_name(-self._exit_code) if self._exit_code < 0 else None,
+                    log_lines=list(self._tail),  # a copy: the reader thread appends
+                    oom_kills_at_start=self._oom_at_start.count,
+                    oom_kills_at_exit=self._oom_at_exit.count,
+                )
+                fields.update(root_cause=why.cause, root_cause_certain=why.cause is not None, last_log_line=why.last_log_line)
         tree = group_members(pgid) if pgid is not None else ()
         return ChildSample(tree_pids=tree, **fields)
 
@@ -256,6 +329,42 @@ class EngineProcess:
                 self._proc.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def _exit_fd(pid: int) -> int | None:
+    """A pidfd that turns readable when `pid` exits; None where the kernel
+    (before 5.3) or a seccomp filter refuses one."""
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
+class _Pipe(enum.Enum):
+    """What is left in a pipe after a read."""
+
+    EMPTY = "empty"  # nothing, for now
+    MORE = "more"  # the read stopped at its bound
+    EOF = "eof"  # every writer has closed it
+
+
+READ_BOUND = 1 << 20  # bytes per read round: an engine that floods its output is relayed as it goes
+
+
+def _read_available(fd: int) -> tuple[bytes, _Pipe]:
+    """What the non-blocking pipe `fd` holds now, up to READ_BOUND, and what is left."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < READ_BOUND:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return b"".join(chunks), _Pipe.EMPTY
+        if not chunk:
+            return b"".join(chunks), _Pipe.EOF
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks), _Pipe.MORE
 
 
 def _send(proc: subprocess.Popen, sig: int) -> None:

@@ -271,3 +271,25 @@ def test_real_vllm_start_failure_gives_up_with_its_root_cause_in_the_alert(vllm_
     finally:
         d.cleanup()
         receiver.close()
+
+
+def test_real_vllm_invalid_argument_gives_up_with_the_validation_errors_message(vllm_lock, vllm_config_writer, tmp_path):
+    """A max_model_len above the model's limit: vLLM's API server dies with pydantic's
+    ValidationError before EngineCore exists. The cause is the line under its header
+    that says why, not pydantic's footer, and twice the same cause gives up."""
+    cfg = vllm_config_writer(
+        overrides={
+            "profile": "none",
+            "engine": {"extra_args": [*CPU_EXTRA_ARGS, "--max-model-len", "999999"]},
+            "watchdog": {"start_failures": 5, "same_cause_failures": 2, "backoff_initial": 0.0},
+        }
+    )
+    d = DaemonProcess(cfg, tmp_path / "daemon.log").start()
+    try:
+        st = d.wait_for(lambda s: s if s["engine"]["phase"] == "given-up" else None, 2 * READY_TIMEOUT, "given-up")
+        cause = "Value error, User-specified max_model_len (999999) is greater than the derived max_model_len"
+        assert "same cause" in st["give_up_reason"] and cause in st["give_up_reason"], st["give_up_reason"]
+        assert st["restarts"]["last_root_cause"].startswith(cause), st["restarts"]
+        assert "errors.pydantic.dev" not in st["give_up_reason"]
+    finally:
+        d.cleanup()

@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -173,6 +174,50 @@ def test_a_traceback_that_never_ends_is_closed_after_a_bound():
         assert c.classify('  File "a.py", line 1, in f') is E
     assert c.classify("not an exception line, just text") is E  # the last line of the bound
     assert c.classify("plain") is N
+
+
+MAX_MODEL_LEN_LOG = (Path(__file__).resolve().parent.parent / "data" / "vllm-0.32-max-model-len-over-limit.txt").read_text().splitlines()
+
+
+def test_every_line_of_a_validation_error_is_error_in_vllms_real_output():
+    """vLLM 0.32's own output for --max-model-len 999999: the traceback, the
+    ValidationError's header and the message under it (the line that says why)
+    and its footer are all ERROR, so `journalctl -p warning` shows them."""
+    start = MAX_MODEL_LEN_LOG.index("Traceback (most recent call last):")
+    priorities = classify_all(MAX_MODEL_LEN_LOG)
+    block = list(zip(priorities[start:], MAX_MODEL_LEN_LOG[start:], strict=True))
+    assert [line for p, line in block if p is not E] == []
+    assert MAX_MODEL_LEN_LOG[-2].startswith("  Value error, User-specified max_model_len (999999)")
+    assert all(p is not E for p in priorities[:start])
+
+
+def test_a_validation_errors_field_names_and_messages_stay_error_until_the_block_ends():
+    lines = [
+        "(APIServer pid=1) Traceback (most recent call last):",
+        '(APIServer pid=1)   File "x.py", line 1, in <module>',
+        "(APIServer pid=1) pydantic_core._pydantic_core.ValidationError: 2 validation errors for SchedulerConfig",
+        "(APIServer pid=1) max_num_seqs",
+        "(EngineCore_DP0 pid=2) interleaved, not in the block",
+        "(APIServer pid=1)   Input should be greater than 0 [type=greater_than, input_value=0, input_type=int]",
+        "(APIServer pid=1)     For further information visit https://errors.pydantic.dev/2.14/v/greater_than",
+        "(APIServer pid=1) max_num_batched_tokens",
+        "(APIServer pid=1)   Input should be a valid integer [type=int_type, input_value='x', input_type=str]",
+        "(APIServer pid=1)     For further information visit https://errors.pydantic.dev/2.14/v/int_type",
+        "(APIServer pid=1) after the block",
+    ]
+    assert classify_all(lines) == [E, E, E, E, N, E, E, E, E, E, N]
+
+
+def test_an_exceptions_indented_lines_after_it_are_error_and_a_blank_line_ends_them():
+    lines = [
+        "Traceback (most recent call last):",
+        "ExceptionGroup: two (2 sub-exceptions)",
+        "  +-+---------------- 1 ----------------",
+        "    | ValueError: a",
+        "",
+        "  indented again, but after the end",
+    ]
+    assert classify_all(lines) == [E, E, E, E, N, N]
 
 
 frame = st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc")), max_size=40).map(lambda s: "  " + s)
@@ -371,4 +416,20 @@ def test_relayed_engine_lines_reach_the_journal_at_vllms_level(stderr_file, monk
     relayed = [line for line in path.read_text().splitlines() if "[vllm]" in line]
     assert [line[:3] for line in relayed] == ["<7>", "<6>", "<4>", "<3>", "<3>", "<3>", "<6>"], relayed
     assert relayed[3] == "<3>ERROR r3090d.engine.vllm: [vllm] Traceback (most recent call last):"
+    engine.kill_now()
+
+
+def test_a_relayed_validation_error_reaches_the_journal_at_err_line_by_line(stderr_file, monkeypatch):
+    """vLLM's real output for an over-long max_model_len, through the engine's pipe:
+    every line from the traceback to pydantic's footer is stored at priority 3."""
+    path, stream = stderr_file()
+    monkeypatch.setenv("JOURNAL_STREAM", stream)
+    journal.setup_logging()
+    engine = EngineProcess(threading.Event())
+    engine.spawn([sys.executable, "-c", f"print({chr(10).join(MAX_MODEL_LEN_LOG)!r}, flush=True)"], dict(os.environ))
+    wait_until(lambda: "errors.pydantic.dev" in path.read_text(), 30, what="the footer relayed", details=path.read_text)
+    relayed = [line for line in path.read_text().splitlines() if "[vllm]" in line]
+    start = next(i for i, line in enumerate(relayed) if line.endswith("[vllm] Traceback (most recent call last):"))
+    assert [line for line in relayed[start:] if not line.startswith("<3>")] == []
+    assert any("[vllm]   Value error, User-specified max_model_len (999999)" in line for line in relayed[start:])
     engine.kill_now()

@@ -682,3 +682,23 @@ def test_the_same_last_line_is_not_the_same_cause():
         dead = ChildSample(pid=100, alive=False, exit_code=1, tree_pids=(), generation=gen, root_cause=line, root_cause_certain=False)
         delay, st, _ = _start_exit(st, c, float(gen), dead)
         assert delay is not None, f"gave up at failure {gen}: {st.give_up_reason}"
+
+
+@pytest.mark.parametrize(
+    "code, cause, detail, said",
+    [
+        (0, None, "engine exited with code 0; nothing says why (last log line: INFO:     Application startup complete.)", None),
+        (-9, "killed by SIGKILL", "engine exited with code -9", "root cause: killed by SIGKILL"),
+    ],
+)
+def test_an_exit_names_its_cause_or_says_that_nothing_does(code, cause, detail, said):
+    """The log's last line is quoted as such, never as a "root cause:"."""
+    c = cfg()
+    st = ready_state(c)
+    dead = ChildSample(pid=100, alive=False, exit_code=code, generation=1, root_cause=cause, root_cause_certain=cause is not None,
+                       last_log_line="INFO:     Application startup complete.")  # fmt: skip
+    acts, st = policy.decide(snap(100, ch=dead, health=SKIPPED), st, c, 100)
+    assert RecordRestart(reason="exited", detail=detail, root_cause=cause) in acts
+    restarted = [a.summary for a in acts if isinstance(a, SendAlert) and a.key == "engine_restarted"]
+    assert restarted and detail in restarted[0], acts
+    assert ("root cause:" in restarted[0]) == (said is not None) and (said is None or said in restarted[0]), restarted
