@@ -702,3 +702,22 @@ def test_an_exit_names_its_cause_or_says_that_nothing_does(code, cause, detail, 
     restarted = [a.summary for a in acts if isinstance(a, SendAlert) and a.key == "engine_restarted"]
     assert restarted and detail in restarted[0], acts
     assert ("root cause:" in restarted[0]) == (said is not None) and (said is None or said in restarted[0]), restarted
+
+
+@pytest.mark.parametrize(
+    "reading, key, active",
+    [
+        ({"temperature_c": 85}, "gpu_temperature", True),
+        ({"temperature_c": 84}, "gpu_temperature", False),
+        ({"power_w": 343.0, "power_limit_w": 350.0}, "gpu_power", True),  # 98 %
+        ({"power_w": 340.0, "power_limit_w": 350.0}, "gpu_power", False),
+        ({"clock_event_reasons": ("hw_thermal_slowdown",)}, "gpu_throttle", True),
+        ({"clock_event_reasons": ("gpu_idle",)}, "gpu_throttle", False),
+    ],
+)
+def test_hot_power_capped_or_throttled_gpu_conditions(reading, key, active):
+    c = cfg(gpu_required=True)
+    g = GpuSample(GpuStatus.OK, memory_used=0, memory_total=24 * 2**30, **reading)
+    life = rules.LifecycleFacts(phase=Phase.READY, backoff_remaining=None, restart_reason=None, give_up_reason=None)
+    (cond,) = [x for x in rules.conditions(snap(0, gpu=g), rules.WatchState(), c, 0.0, life) if x.key == key]
+    assert cond.active is active and cond.severity == "warning"
