@@ -12,13 +12,17 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from r3090d.core.xid import ResetHold
+from r3090d.service import resethold
 from tests.component.test_gpu_idle import streams  # endless streams: requests keep running
 from tests.ctl_harness import ctl, ctl_json
-from tests.daemon_harness import group_members
+from tests.daemon_harness import bind_unix_dgram, group_members
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 
@@ -190,3 +194,34 @@ def test_exit_on_give_up_says_what_it_does_and_exits_79(make_daemon):
     assert "the daemon exits 79 once the engine is stopped (daemon.exit_on_give_up)" in log
     assert "alert gave_up firing: gave up (the daemon exits with code 79" in log
     assert "the daemon stays up" not in log and "stays stopped" not in log, log[-3000:]
+
+
+def test_a_hold_an_earlier_daemon_of_this_boot_recorded_keeps_the_engine_down_with_the_unit_active(make_daemon, tmp_path, sockdir, monkeypatch):
+    """A daemon restarted by systemd keeps the card's reset hold: no engine, READY=1 with the reason in STATUS=."""
+    path = tmp_path / "card.json"
+    path.write_text(json.dumps({"util": 0, "processes": [], "graphics_processes": []}))
+    monkeypatch.setenv("PYTHONPATH", f"{FAKE_NVML}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("R3090D_FAKE_NVML", str(path))
+    d = make_daemon(args=("--skip-preflight",), watchdog={"poll_interval": 0.3})
+    d.rewrite(gpu={"required": True, "card": "any"})
+    state_dir = Path(d.sections["daemon"]["state_dir"])
+    state_dir.mkdir(parents=True, exist_ok=True)
+    resethold.save(state_dir, ResetHold("XID 79 (GPU has fallen off the bus)", time.time() - 60), boot=resethold.boot_id())
+    notify = bind_unix_dgram(sockdir / "notify.sock", timeout=1.0)
+    try:
+        d.start(prefix=["env", f"NOTIFY_SOCKET={sockdir / 'notify.sock'}"])
+        st = d.wait_phase("reset-needed", timeout=60)
+        assert st["engine"]["pid"] is None and "XID 79" in st["healing"]["reset_hold"]
+        messages: list[bytes] = []
+
+        def ready_with_the_reason() -> bool:
+            try:
+                messages.append(notify.recv(4096))
+            except TimeoutError:
+                pass
+            return any(b"READY=1" in m for m in messages) and any(b"STATUS=engine stopped: the GPU needs a reset" in m for m in messages)
+
+        wait_until(ready_with_the_reason, 30, what="READY=1 and the hold in STATUS=", interval=0.0)
+        assert "recorded by an earlier daemon of this boot" in d.log()
+    finally:
+        notify.close()
