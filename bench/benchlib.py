@@ -100,10 +100,17 @@ def describe_watchdog(wd: configmod.WatchdogConfig) -> str:
     return ", ".join(f"{k} {getattr(wd, k):g}" for k in keys)
 
 
-def double_config(tmp: Path, python: str, *, extra_args: Sequence[str] = (), engine: dict | None = None, daemon: dict | None = None) -> Path:
-    """A daemon config for the vLLM double with the shipped [watchdog]: engine_config's fast test polls are dropped."""
+def double_config(tmp: Path, python: str, *, extra_args: Sequence[str] = (), engine: dict | None = None, daemon: dict | None = None,
+                  watchdog: dict | None = None, gpu: dict | None = None) -> Path:
+    """A daemon config for the vLLM double with the shipped [watchdog]: engine_config's fast test polls are dropped.
+
+    `watchdog`: the only keys a benchmark shortens (it says so in its output); `gpu` replaces [gpu]."""
     sections = engine_config(tmp, python, extra_args=list(extra_args), engine=engine, daemon=daemon)
     del sections["watchdog"]
+    if watchdog:
+        sections["watchdog"] = dict(watchdog)
+    if gpu is not None:
+        sections["gpu"] = dict(gpu)
     return write_config(tmp / "r3090d.toml", sections)
 
 
@@ -126,8 +133,9 @@ class Daemon:
     Every engine process group it is seen to own is remembered, so that cleanup
     leaves nothing behind even when the daemon itself has to be killed."""
 
-    def __init__(self, config_path: Path, log_path: Path, notify_socket: str | None = None):
+    def __init__(self, config_path: Path, log_path: Path, notify_socket: str | None = None, args: Sequence[str] = ()):
         self.config_path = config_path
+        self.args = tuple(args)  # more of the daemon's command line (--skip-preflight)
         self.log_path = log_path
         self.notify_socket = notify_socket
         cfg = tomllib.loads(config_path.read_text())
@@ -146,7 +154,7 @@ class Daemon:
         self._log = open(self.log_path, "ab")  # noqa: SIM115  (closed by cleanup)
         self.started_at = time.time()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "r3090d", "--config", str(self.config_path)],
+            [sys.executable, "-m", "r3090d", "--config", str(self.config_path), *self.args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
         _LIVE.add(self)
