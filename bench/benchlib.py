@@ -439,15 +439,17 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 # ------------------------------------------------------------------ the real engine
 
 
-def real_engine_missing() -> str | None:
-    """Why the real CPU vLLM cannot run here, or None."""
+def real_engine_missing(python: str | None = None, model: Path | None = None) -> str | None:
+    """Why the real CPU vLLM (`python`, default $R3090D_ENGINE_PYTHON or the installed engine) cannot run
+    the tiny model (`model`, default build/tiny-qwen2) here, or None."""
     from tests.e2e.real_vllm import ENGINE_PYTHON_ENV, engine_python_path
 
-    python = engine_python_path()
+    python = python or engine_python_path()
+    model = model or TINY_MODEL
     if not os.access(python, os.X_OK):
         return f"no CPU vLLM engine: {python} is not an executable (run `make engine`, or set {ENGINE_PYTHON_ENV})"
-    if not (TINY_MODEL / "config.json").exists():
-        return f"no tiny model at {TINY_MODEL} (run `make tiny-model`)"
+    if not (model / "config.json").exists():
+        return f"no tiny model at {model} (run `make tiny-model`)"
     return None
 
 
@@ -479,15 +481,18 @@ class VllmLock:
         self._f.close()
 
 
-def real_config(tmp: Path, *, extra_args: Sequence[str] = (), kv_space_gib: int | None = 1, overrides: dict | None = None) -> Path:
-    """A daemon config for the engine-bound tiny model on the real CPU vLLM, shipped [watchdog]."""
+def real_config(tmp: Path, *, extra_args: Sequence[str] = (), kv_space_gib: int | None = 1, overrides: dict | None = None,
+                engine_python: str | None = None, model: Path | None = None) -> Path:
+    """A daemon config for the engine-bound tiny model on the real CPU vLLM, shipped [watchdog].
+
+    engine_python and model default to $R3090D_ENGINE_PYTHON (else the installed engine) and build/tiny-qwen2."""
     from tests.e2e.real_vllm import CPU_EXTRA_ARGS, ENGINE_BOUND_ARGS, engine_python_path, write_vllm_config
 
     over = {"engine": {"extra_args": [*CPU_EXTRA_ARGS, *ENGINE_BOUND_ARGS, *extra_args]}}
     for key, value in (overrides or {}).items():
         over[key] = {**over.get(key, {}), **value}
     return write_vllm_config(
-        tmp / "r3090d.toml", engine_python=engine_python_path(), model=TINY_MODEL, directory=tmp,
+        tmp / "r3090d.toml", engine_python=engine_python or engine_python_path(), model=model or TINY_MODEL, directory=tmp,
         kv_space_gib=kv_space_gib, overrides=over,
     )  # fmt: skip
 
