@@ -224,7 +224,7 @@ def main(argv: list[str]) -> int:
     print(f"give-ups: {give_ups}{' (' + final.get('give_up_reason') + ')' if final.get('give_up_reason') else ''}")
     print(f"faults recovered: {recovered} / {len(outcomes)}")
     print(f"faults counted as start failures: {start_failures}")
-    print(f"restart_storm fired: {'yes, ' + storm.message.split(': ', 1)[1] if storm else 'no'}")
+    print(f"restart_storm fired: {'yes: ' + storm.message.split(': ', 1)[1] if storm else 'no'}")
     return 0 if outcomes and give_ups == 0 and recovered == len(outcomes) and start_failures == 0 else 1
 
 
