@@ -42,10 +42,10 @@ test-e2e: $(DEV_STAMP) engine-cpu tiny-model
 	$(PYTEST) tests/e2e -q
 
 # The GPU benchmarks run where there is an NVIDIA GPU; elsewhere they say why in one line (exit 69).
+# So does a benchmark that needs the real CPU vLLM where it is not installed.
 GPU_BENCH = bench/gpu_idle.py bench/gpu_suspend_daemon.py
 bench: $(DEV_STAMP)
-	@for b in bench/bench_*.py; do echo "== $$b"; $(PYTHON) $$b || exit 1; done
-	@for b in $(GPU_BENCH); do echo "== $$b"; $(PYTHON) $$b; rc=$$?; [ $$rc = 0 ] || [ $$rc = 69 ] || exit $$rc; done
+	@for b in bench/bench_*.py $(GPU_BENCH); do echo "== $$b"; $(PYTHON) $$b; rc=$$?; [ $$rc = 0 ] || [ $$rc = 69 ] || exit $$rc; done
 
 lint: $(DEV_STAMP)
 	$(PYTHON) -m ruff check r3090d tests bench scripts

@@ -100,10 +100,17 @@ def describe_watchdog(wd: configmod.WatchdogConfig) -> str:
     return ", ".join(f"{k} {getattr(wd, k):g}" for k in keys)
 
 
-def double_config(tmp: Path, python: str, *, extra_args: Sequence[str] = (), engine: dict | None = None, daemon: dict | None = None) -> Path:
-    """A daemon config for the vLLM double with the shipped [watchdog]: engine_config's fast test polls are dropped."""
+def double_config(tmp: Path, python: str, *, extra_args: Sequence[str] = (), engine: dict | None = None, daemon: dict | None = None,
+                  watchdog: dict | None = None, gpu: dict | None = None) -> Path:
+    """A daemon config for the vLLM double with the shipped [watchdog]: engine_config's fast test polls are dropped.
+
+    `watchdog`: the only keys a benchmark shortens (it says so in its output); `gpu` replaces [gpu]."""
     sections = engine_config(tmp, python, extra_args=list(extra_args), engine=engine, daemon=daemon)
     del sections["watchdog"]
+    if watchdog:
+        sections["watchdog"] = dict(watchdog)
+    if gpu is not None:
+        sections["gpu"] = dict(gpu)
     return write_config(tmp / "r3090d.toml", sections)
 
 
@@ -126,8 +133,9 @@ class Daemon:
     Every engine process group it is seen to own is remembered, so that cleanup
     leaves nothing behind even when the daemon itself has to be killed."""
 
-    def __init__(self, config_path: Path, log_path: Path, notify_socket: str | None = None):
+    def __init__(self, config_path: Path, log_path: Path, notify_socket: str | None = None, args: Sequence[str] = ()):
         self.config_path = config_path
+        self.args = tuple(args)  # more of the daemon's command line (--skip-preflight)
         self.log_path = log_path
         self.notify_socket = notify_socket
         cfg = tomllib.loads(config_path.read_text())
@@ -146,7 +154,7 @@ class Daemon:
         self._log = open(self.log_path, "ab")  # noqa: SIM115  (closed by cleanup)
         self.started_at = time.time()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "r3090d", "--config", str(self.config_path)],
+            [sys.executable, "-m", "r3090d", "--config", str(self.config_path), *self.args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
         _LIVE.add(self)
@@ -431,15 +439,17 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 # ------------------------------------------------------------------ the real engine
 
 
-def real_engine_missing() -> str | None:
-    """Why the real CPU vLLM cannot run here, or None."""
+def real_engine_missing(python: str | None = None, model: Path | None = None) -> str | None:
+    """Why the real CPU vLLM (`python`, default $R3090D_ENGINE_PYTHON or the installed engine) cannot run
+    the tiny model (`model`, default build/tiny-qwen2) here, or None."""
     from tests.e2e.real_vllm import ENGINE_PYTHON_ENV, engine_python_path
 
-    python = engine_python_path()
+    python = python or engine_python_path()
+    model = model or TINY_MODEL
     if not os.access(python, os.X_OK):
         return f"no CPU vLLM engine: {python} is not an executable (run `make engine`, or set {ENGINE_PYTHON_ENV})"
-    if not (TINY_MODEL / "config.json").exists():
-        return f"no tiny model at {TINY_MODEL} (run `make tiny-model`)"
+    if not (model / "config.json").exists():
+        return f"no tiny model at {model} (run `make tiny-model`)"
     return None
 
 
@@ -471,15 +481,18 @@ class VllmLock:
         self._f.close()
 
 
-def real_config(tmp: Path, *, extra_args: Sequence[str] = (), kv_space_gib: int | None = 1, overrides: dict | None = None) -> Path:
-    """A daemon config for the engine-bound tiny model on the real CPU vLLM, shipped [watchdog]."""
+def real_config(tmp: Path, *, extra_args: Sequence[str] = (), kv_space_gib: int | None = 1, overrides: dict | None = None,
+                engine_python: str | None = None, model: Path | None = None) -> Path:
+    """A daemon config for the engine-bound tiny model on the real CPU vLLM, shipped [watchdog].
+
+    engine_python and model default to $R3090D_ENGINE_PYTHON (else the installed engine) and build/tiny-qwen2."""
     from tests.e2e.real_vllm import CPU_EXTRA_ARGS, ENGINE_BOUND_ARGS, engine_python_path, write_vllm_config
 
     over = {"engine": {"extra_args": [*CPU_EXTRA_ARGS, *ENGINE_BOUND_ARGS, *extra_args]}}
     for key, value in (overrides or {}).items():
         over[key] = {**over.get(key, {}), **value}
     return write_vllm_config(
-        tmp / "r3090d.toml", engine_python=engine_python_path(), model=TINY_MODEL, directory=tmp,
+        tmp / "r3090d.toml", engine_python=engine_python or engine_python_path(), model=model or TINY_MODEL, directory=tmp,
         kv_space_gib=kv_space_gib, overrides=over,
     )  # fmt: skip
 
