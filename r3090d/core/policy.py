@@ -349,7 +349,8 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
     if st.phase is Phase.STARTING:
         if snap.health.status is HealthStatus.OK:
             cleared = {} if st.retrying else {"gave_up_unresolved": False}
-            return _to(st, Phase.READY, now, ready_since=now, watch=_fresh_watch(st, ready_at=now), **cleared)
+            base, _ = served_since_ready(snap, replace(st, served_base=None))  # this tick's /metrics, read with /health's 200
+            return _to(st, Phase.READY, now, ready_since=now, served_base=base, watch=_fresh_watch(st, ready_at=now), **cleared)
         if now - st.phase_since > cfg.engine.startup_timeout:
             return _fail(snap, st, cfg, now, actions, events, RestartReason.STARTUP_TIMEOUT, f"not ready after {cfg.engine.startup_timeout} s", drain=False)
         return st

@@ -27,7 +27,7 @@ _HEADERS = {"Connection": "close"}
 
 
 class InferenceProber:
-    def __init__(self, base_url: str, model: str, api_key: str, timeout: float, wake=None):
+    def __init__(self, base_url: str, model: str, api_key: str, timeout: float, wake=None, *, sent_before: int = 0):
         self._url = base_url.rstrip("/") + "/v1/completions"
         self._model = model
         self._api_key = api_key
@@ -36,9 +36,10 @@ class InferenceProber:
         self._sample = InferenceProbeSample()
         self._generation = 0
         self._in_flight = False
-        # Every probe ever sent, across engines: the policy subtracts them from vLLM's
-        # completed requests, so a probe never counts as the engine having served.
-        self._sent_total = 0
+        # Every probe ever sent, across engines and reloads (`sent_before`: the replaced
+        # prober's): the policy subtracts them from vLLM's completed requests, so a probe
+        # never counts as the engine having served.
+        self._sent_total = sent_before
         self._wake = wake  # set when a result arrives, so the loop acts on it at once
 
     def reset(self) -> None:
@@ -117,6 +118,11 @@ class InferenceProber:
             self._in_flight = False
         if self._wake is not None:
             self._wake.set()
+
+    @property
+    def sent_total(self) -> int:
+        with self._lock:
+            return self._sent_total
 
     def sample(self) -> InferenceProbeSample:
         """The latest result. A probe still in flight past its timeout plus a margin is

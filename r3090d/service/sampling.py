@@ -20,6 +20,10 @@ from r3090d.probes.engine import EngineProbe
 from r3090d.probes.inference import InferenceProber
 from r3090d.service.commands import Pending
 
+# Where a refusal or a wait names the GPU's other holders: while the GPU is lent, and
+# around a restart (which may wait for the card).
+NAMED_HOLDER_PHASES = (*SUSPEND_PHASES, Phase.RESTARTING, Phase.BACKOFF, Phase.WAITING_FOR_GPU)
+
 
 class Sampler:
     def __init__(self, cfg: Config, engine: EngineProcess, gpu_monitor, wake: threading.Event, suspend=None):
@@ -28,13 +32,16 @@ class Sampler:
         self.wake = wake
         self.suspend = suspend  # r3090d.service.suspend.SuspendService, or None
         self.last_metrics_text: str | None = None  # kept for the restart records
+        self.prober: InferenceProber | None = None
         self.configure(cfg)
 
     def configure(self, cfg: Config) -> None:
         """New probes for a new config (a reload): URLs, timeouts and the API key may have changed."""
         wd = cfg.watchdog
         self.probe = EngineProbe(cfg.engine_url, cfg.model_name, wd.health_timeout, wd.metrics_timeout)
-        self.prober = InferenceProber(cfg.engine_url, cfg.model_name, cfg.api_key, wd.probe_timeout, wake=self.wake)
+        # The count of probes sent carries over: the engine's completed requests still hold them.
+        sent = self.prober.sent_total if self.prober is not None else 0
+        self.prober = InferenceProber(cfg.engine_url, cfg.model_name, cfg.api_key, wd.probe_timeout, wake=self.wake, sent_before=sent)
 
     def gpu(self) -> GpuSample:
         return self.gpu_monitor.latest(time.monotonic()) if self.gpu_monitor else GpuSample(GpuStatus.DISABLED)
@@ -70,6 +77,7 @@ class Sampler:
             suspend_requested=suspend,
             resume_requested=resume,
             suspender=self.suspend.sample() if self.suspend is not None else None,
-            # Names for a refused resume ("held by pid N (name)"): read only while the GPU is lent.
-            process_names=self.suspend.process_names(gpu) if self.suspend is not None and phase in SUSPEND_PHASES else (),
+            # Names for a refused resume or a start waiting for the card ("held by pid N (name)"):
+            # read only while the GPU is lent, or held by others.
+            process_names=self.suspend.process_names(gpu) if self.suspend is not None and phase in NAMED_HOLDER_PHASES else (),
         )

@@ -408,3 +408,29 @@ def test_exit_on_give_up_says_that_the_daemon_exits():
     give_up(r, 1)
     (gave_up,) = [a.summary for a in r.sent if a.key == "gave_up"]
     assert "the daemon exits with code 79" in gave_up and "stays stopped" not in gave_up
+
+
+def test_probes_sent_before_a_reload_still_count_as_the_daemons_own():
+    """A reload builds a new prober: the count of probes sent goes on, so the engine does not seem to have served."""
+    from r3090d.probes.inference import InferenceProber
+
+    from tests.waiting import wait_until
+
+    old = InferenceProber("http://127.0.0.1:9", "m", "", 1.0)  # nothing listens: each probe fails at once
+    for n in (1, 2):
+        old.send()
+        wait_until(lambda: old.sample().finished_at is not None and old.sample().consecutive_failures == n, 10, what=f"probe {n} over")
+    new = InferenceProber("http://127.0.0.1:9", "m", "", 1.0, sent_before=old.sent_total)
+    assert old.sample().sent_total == 2 and new.sample().sent_total == 2
+
+
+def test_the_baseline_is_the_reading_that_came_with_ready_so_the_first_poll_counts():
+    c = cfg(start_failures=2, same_cause_failures=100, backoff_initial=0.0)
+    st = policy.initial_state(0.0)
+    _, st = policy.decide(snap(0, ch=ChildSample()), st, c, 0)
+    m, p = served(0)
+    _, st = policy.decide(snap(1, metrics=m, inference=p), st, c, 1)  # /health 200, with /metrics read
+    assert st.phase is Phase.READY and st.served_base == 0
+    m, p = served(1)  # a client's request completed within the first poll
+    _, st = policy.decide(snap(2, metrics=m, inference=p), st, c, 2)
+    assert st.succeeded
