@@ -227,6 +227,7 @@ def _hold_conditions(st: PolicyState, cfg: Config) -> list[rules.Condition]:
         f"the GPU needs a reset: {hold.reason}; no engine starts until then: {RESET_PROCEDURE}" if hold
         else "the GPU reset hold is cleared", immediate=True,
     )]  # fmt: skip
+    out.append(_widened_condition(st, cfg))
     wait = st.gpu_wait if st.phase is Phase.WAITING_FOR_GPU else None
     out.append(rules.Condition(
         "gpu_room", wait is not None, Severity.WARNING,
@@ -400,9 +401,6 @@ def _track_success(snap: Snapshot, st: PolicyState, cfg: Config, now: float, eve
             st = replace(st, succeeded=True, start_failures=0, same_cause_run=0, backoff_level=0, retrying=False,
                          retry_at=None, retry_attempts=0, gave_up_unresolved=False, give_up_reason=None)  # fmt: skip
     if st.detector_scale and _healthy_for(st, cfg, now):
-        widened = ", ".join(f"{reason.value} {scale}x" for reason, scale in st.detector_scale)
-        events.append(rules.Condition("detector_narrowed", True, Severity.INFO,
-                                      f"healthy for {cfg.watchdog.min_uptime:.0f} s: fast detectors back to their configured windows (were {widened})", event=True))  # fmt: skip
         st = replace(st, detector_scale=(), watch=replace(st.watch, gpu_idle_scale=1, stall_scale=1))
     return st
 
@@ -442,7 +440,7 @@ def _fail(snap, st, cfg, now, actions, events, reason, detail, *, drain) -> Poli
     certain = cause is not None and snap.child.root_cause_certain
     if not snap.child.alive:
         st = replace(st, death_at=snap.child.exited_at if snap.child.exited_at is not None else now)
-    st = _widen_detector(st, cfg, reason, events)
+    st = _widen_detector(st, reason)
     if st.succeeded or _healthy_for(st, cfg, now):
         # A recoverable failure: restart at once, for ever; the same certain cause again and again backs off, capped.
         run = st.recovered_same_cause + 1 if certain and cause == st.last_root_cause and st.recovered_same_cause else (1 if certain else 0)
@@ -484,24 +482,30 @@ def _retry_failed(snap, st, cfg, now, actions, reason, detail, cause) -> PolicyS
                last_root_cause=cause, retrying=False, retry_at=now + cfg.watchdog.give_up_retry, start_pending=None)  # fmt: skip
 
 
-def _widen_detector(st: PolicyState, cfg: Config, reason: str, events: list) -> PolicyState:
+def _widen_detector(st: PolicyState, reason: str) -> PolicyState:
     """A fast detector that trips again on the engine it restarted, before that engine succeeded, doubles its window."""
     detector = RestartReason(reason) if reason in FAST_DETECTORS else None
     if detector is not None and st.restarted_by is detector and not st.succeeded:
         scales = dict(st.detector_scale)
-        old = scales.get(detector, 1)
-        new = min(old * 2, MAX_DETECTOR_SCALE)
-        if new != old:
-            key = DETECTOR_WINDOW_KEYS[detector]
-            seconds = getattr(cfg.watchdog, key)
-            events.append(rules.Condition(
-                "detector_widened", True, Severity.WARNING,
-                f"{detector.value} fired twice in a row on engines that never succeeded: its window widens from "
-                f"{seconds * old:g} s to {seconds * new:g} s; if the workload legitimately idles that long, raise watchdog.{key}",
-                event=True,
-            ))  # fmt: skip
-            st = replace(st, detector_scale=tuple(sorted({**scales, detector: new}.items())))
+        scales[detector] = min(scales.get(detector, 1) * 2, MAX_DETECTOR_SCALE)
+        st = replace(st, detector_scale=tuple(sorted(scales.items())))
     return replace(st, restarted_by=detector)
+
+
+def _widened_condition(st: PolicyState, cfg: Config) -> rules.Condition:
+    """Held while a fast detector runs widened: one alert, whose reminders carry the current windows."""
+    parts = []
+    for detector, scale in st.detector_scale:
+        key = DETECTOR_WINDOW_KEYS[detector]
+        seconds = getattr(cfg.watchdog, key)
+        parts.append(f"{detector.value} fired again on engines it had restarted before they served: its window is "
+                     f"{seconds * scale:g} s, {scale}x watchdog.{key} = {seconds:g} s")  # fmt: skip
+    if parts:
+        keys = " or ".join(f"watchdog.{DETECTOR_WINDOW_KEYS[d]}" for d, _ in st.detector_scale)
+        text = "; ".join(parts) + f"; if the workload legitimately idles that long, raise {keys}"
+    else:
+        text = "the fast freeze detectors are back to their configured windows"
+    return rules.Condition("detector_widened", bool(parts), Severity.WARNING, text, immediate=True)
 
 
 # The config key of each fast detector's window.

@@ -65,7 +65,7 @@ PREFLIGHT_FAILED = "preflight_failed"
 # firing condition until sync() resolved it.
 EVENT_KEYS = frozenset({
     "engine_restarted", "suspended_engine_lost", "test",
-    "gpu_xid_application", "gpu_xid_row_remap", "gpu_xid_unknown", "detector_widened", "detector_narrowed",
+    "gpu_xid_application", "gpu_xid_row_remap", "gpu_xid_unknown",
 })  # fmt: skip
 
 

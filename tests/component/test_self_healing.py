@@ -181,8 +181,7 @@ def test_gpu_idle_firing_twice_in_a_row_widens_its_window(make_daemon, tmp_path,
         st = d.proc.wait_for(lambda s: s["healing"]["detector_scale"].get("gpu_idle") == 2 and s, 30, "the window widened")
     finally:
         stop.set()
-    assert "alert detector_widened firing: gpu_idle fired twice in a row" in d.log()
-    assert "from 1.5 s to 3 s" in d.log() and "watchdog.gpu_idle_stall_seconds" in d.log()
+    assert "alert detector_widened firing: gpu_idle fired again on engines it had restarted before they served: its window is 3 s, 2x watchdog.gpu_idle_stall_seconds = 1.5 s" in d.log()
 
 
 def test_exit_on_give_up_says_what_it_does_and_exits_79(make_daemon):

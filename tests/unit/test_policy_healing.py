@@ -376,14 +376,18 @@ def test_gpu_idle_firing_twice_in_a_row_doubles_its_window_up_to_8x_and_narrows_
         r.tick(ch=dead(gen), gpu=card(r.now + 0.5, procs=()))
         r.ready_again(gen + 1, gpu=card(r.now + 0.5, procs=((101, 8 * GIB),)))
     assert windows == [5.5, 5.5, 10.5, 20.5, 40.5], windows  # 5 s, 5 s, then 2x, 4x, 8x (+ the first idle poll)
-    widened = [a.summary for a in r.sent if a.key == "detector_widened"]
-    assert len(widened) == 3 and "from 5 s to 10 s" in widened[0] and "watchdog.gpu_idle_stall_seconds" in widened[0]
+    widened = [(a.state, a.summary) for a in r.sent if a.key == "detector_widened"]
+    assert len(widened) == 1 and widened[0][0] == "firing", widened  # one alert; its reminders carry the current window
+    assert "its window is 10 s, 2x watchdog.gpu_idle_stall_seconds = 5 s" in widened[0][1]
+    assert "raise watchdog.gpu_idle_stall_seconds" in widened[0][1]
+    (now,) = [c.summary for c in policy._hold_conditions(r.st, c) if c.key == "detector_widened"]
+    assert "its window is 40 s, 8x" in now
     assert dict(r.st.detector_scale) == {RestartReason.GPU_IDLE: 8}
     # Healthy for min_uptime: back to 1x.
     for _ in range(130):
         r.tick(ch=child(6, tree=ENGINE), gpu=card(r.now + 0.5, procs=((101, 8 * GIB),)))
     assert r.st.detector_scale == () and r.st.watch.gpu_idle_scale == 1
-    assert any(a.key == "detector_narrowed" for a in r.sent)
+    assert [a.state for a in r.sent if a.key == "detector_widened"] == ["firing", "resolved"]
     assert trip_gpu_idle(r, 6) == 5.5
 
 
