@@ -417,7 +417,6 @@ def test_exit_on_give_up_says_that_the_daemon_exits():
 def test_probes_sent_before_a_reload_still_count_as_the_daemons_own():
     """A reload builds a new prober: the count of probes sent goes on, so the engine does not seem to have served."""
     from r3090d.probes.inference import InferenceProber
-
     from tests.waiting import wait_until
 
     old = InferenceProber("http://127.0.0.1:9", "m", "", 1.0)  # nothing listens: each probe fails at once
