@@ -422,7 +422,7 @@ def test_probes_sent_before_a_reload_still_count_as_the_daemons_own():
     old = InferenceProber("http://127.0.0.1:9", "m", "", 1.0)  # nothing listens: each probe fails at once
     for n in (1, 2):
         old.send()
-        wait_until(lambda: old.sample().finished_at is not None and old.sample().consecutive_failures == n, 10, what=f"probe {n} over")
+        wait_until(lambda n=n: old.sample().finished_at is not None and old.sample().consecutive_failures == n, 10, what=f"probe {n} over")
     new = InferenceProber("http://127.0.0.1:9", "m", "", 1.0, sent_before=old.sent_total)
     assert old.sample().sent_total == 2 and new.sample().sent_total == 2
 
