@@ -87,7 +87,12 @@ def report(
         xid_seen=list(st.xid_seen),
         health=snap.health,
         inference=probe_info(snap, offset),
-        thresholds=Thresholds(cfg.watchdog.gpu_memory_alert_mib * MIB, cfg.watchdog.min_free_blocks),
+        thresholds=Thresholds(
+            gpu_memory_alert_bytes=cfg.watchdog.gpu_memory_alert_mib * MIB,
+            kv_min_free_blocks=cfg.watchdog.min_free_blocks,
+            restart_storm_restarts=cfg.watchdog.restart_storm_restarts,
+            restart_storm_window_s=cfg.watchdog.restart_storm_window,
+        ),
         metrics=snap.metrics,
         gpu=snap.gpu,
         alerts=AlertsInfo(firing, {k: u + offset for k, u in st.alerts.silenced}),

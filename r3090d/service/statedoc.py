@@ -130,6 +130,8 @@ class Thresholds:
     # None: an older daemon's document, which has no thresholds
     gpu_memory_alert_bytes: int | None = None
     kv_min_free_blocks: int | None = None
+    restart_storm_restarts: int | None = None  # restart_storm fires at this many recent restarts...
+    restart_storm_window_s: float | None = None  # ... within this many seconds (RestartsInfo.recent counts them)
 
 
 @dataclass(frozen=True)
