@@ -35,7 +35,7 @@ from r3090d.service.exporter import TickStats
 from r3090d.service.preflight_runner import PreflightRunner
 from r3090d.service.report import report, status_line
 from r3090d.service.sampling import Sampler
-from r3090d.service.state import STATE_FILE, book_from_json, read_json, wall_offset, write_json_atomic
+from r3090d.service.state import STATE_FILE, carried_over, wall_offset, write_json_atomic
 from r3090d.service.statedoc import DaemonIdentity, PreflightSummary
 from r3090d.service.suspend import SuspendService
 
@@ -211,8 +211,10 @@ class Daemon:
             if code is not None:
                 self._close_helpers()
                 return code
-        previous = read_json(self.state_path) or {}
-        self.st = dataclasses.replace(self.st, alerts=book_from_json(previous.get("alert_book"), self.offset))
+        # A daemon restarted by systemd goes on from its predecessor's alerts and restarts: nothing it
+        # sent is sent again, and nothing that still holds (a restart storm) is resolved by mistake.
+        book, history = carried_over(self.state_path, self.offset)
+        self.st = policy.carry_on(dataclasses.replace(self.st, alerts=book), history, self.cfg, time.monotonic())
         code = None
         plane = start_plane(self)
         try:
