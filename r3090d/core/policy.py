@@ -122,6 +122,31 @@ def initial_state(now: float) -> PolicyState:
     return PolicyState(phase=Phase.STOPPED, phase_since=now)
 
 
+@dataclass(frozen=True)
+class RestartHistory:
+    """What one daemon hands on to the next through its state file, so that a crash, a kill or a restart
+    of the daemon resets neither the restart_storm count nor the run of start failures toward a give-up."""
+
+    restart_times: tuple[float, ...] = ()  # unrequested restarts, monotonic times of the new daemon's clock
+    start_failures: int = 0
+    same_cause_run: int = 0
+    last_root_cause: str | None = None
+
+
+def carry_on(st: PolicyState, history: RestartHistory, cfg: Config, now: float) -> PolicyState:
+    """`st` going on from an earlier daemon's history: restarts outside restart_storm_window are dropped,
+    and one stamped after `now` (the wall clock stepped back in between) counts as happening now."""
+    window = cfg.watchdog.restart_storm_window
+    failures = max(0, history.start_failures)
+    return replace(
+        st,
+        restart_times=tuple(sorted(min(t, now) for t in history.restart_times if now - t < window)),
+        start_failures=failures,
+        same_cause_run=min(max(0, history.same_cause_run), failures),
+        last_root_cause=history.last_root_cause,
+    )
+
+
 def suspended_state(record: SuspendRecord, now: float, since: float) -> PolicyState:
     """A daemon started with a suspension on record (state_dir/suspended.json): the engine stays down until resume."""
     return PolicyState(phase=Phase.SUSPENDED, phase_since=now, suspension=suspension.from_record(record, now, since))

@@ -213,6 +213,11 @@ def families(doc: StateDocument | dict | None, now: float) -> list:
         counter.add_metric([reason], float(n))
     out.append(counter)
     gauge("r3090d_restart_backoff_level", "consecutive restarts without a stable period", restarts.backoff_level)
+    # The daemon's own count, which its restart_storm alert judges: unlike increase() over the counter, it
+    # holds restarts from before Prometheus' first scrape (or a daemon restart) for the whole window.
+    gauge("r3090d_engine_recent_restarts", "unrequested engine restarts within the last r3090d_engine_restart_storm_window_seconds", restarts.recent)
+    gauge("r3090d_engine_restart_storm_threshold", "recent restarts at which r3090d's restart_storm alert fires (watchdog.restart_storm_restarts)", thresholds.restart_storm_restarts)
+    gauge("r3090d_engine_restart_storm_window_seconds", "the window recent restarts are counted in (watchdog.restart_storm_window)", thresholds.restart_storm_window_s)
     out.extend(_healing_families(d))
 
     gauge("r3090d_kv_free_blocks", "free KV cache blocks: (num_gpu_blocks - 1) x (1 - usage)", metrics.free_blocks)

@@ -81,7 +81,9 @@ def report(
             last_root_cause=st.last_root_cause,
             backoff_level=st.backoff_level,
             start_failures=st.start_failures,
+            same_cause_run=st.same_cause_run,
             recent=len(st.restart_times),
+            recent_at=[t + offset for t in st.restart_times],
         ),
         next_action=next_action(st, snap, cfg),
         watch=WatchInfo(st.watch.gpu_signal_off if cfg.gpu.required else None),
@@ -89,7 +91,12 @@ def report(
         xid_seen=list(st.xid_seen),
         health=snap.health,
         inference=probe_info(snap, offset),
-        thresholds=Thresholds(cfg.watchdog.gpu_memory_alert_mib * MIB, cfg.watchdog.min_free_blocks),
+        thresholds=Thresholds(
+            gpu_memory_alert_bytes=cfg.watchdog.gpu_memory_alert_mib * MIB,
+            kv_min_free_blocks=cfg.watchdog.min_free_blocks,
+            restart_storm_restarts=cfg.watchdog.restart_storm_restarts,
+            restart_storm_window_s=cfg.watchdog.restart_storm_window,
+        ),
         metrics=snap.metrics,
         gpu=snap.gpu,
         alerts=AlertsInfo(firing, {k: u + offset for k, u in st.alerts.silenced}),
@@ -144,8 +151,8 @@ def preflight_report(
     """The document preflight leaves before the loop's first tick: what it waits for, or why it failed.
 
     No engine runs yet, so nothing an earlier daemon measured is repeated as current; only
-    its alert book is carried over, for the loop to go on from (Daemon.run reads it back).
-    `waiting` keeps its first `since` across re-checks.
+    its alert book and restart history are carried over, for the loop to go on from
+    (Daemon.run reads them back). `waiting` keeps its first `since` across re-checks.
     """
     earlier_wait = previous.waiting if previous is not None else None
     failed = [c.name for c in summary.checks if c.status is Status.FAIL]
@@ -155,9 +162,21 @@ def preflight_report(
         daemon=daemon_info(identity, cfg, poll_interval=cfg.preflight.transient_retry_s),
         engine=EngineInfo(state=Phase.STOPPED.value, phase=Phase.STOPPED, model=cfg.model_name, url=cfg.engine_url),
         alert_book=previous.alert_book if previous is not None else AlertBookInfo(),
+        restarts=restart_history(previous.restarts) if previous is not None else RestartsInfo(),
         preflight=summary,
         waiting=None if waiting is None else WaitingInfo(waiting, earlier_wait.since if earlier_wait and earlier_wait.since else written_at),
         give_up_reason=None if waiting else "preflight failed: " + "; ".join(failed),
+    )
+
+
+def restart_history(restarts: RestartsInfo) -> RestartsInfo:
+    """What a daemon's successor counts on from (state.carried_over), without what was this daemon's alone."""
+    return RestartsInfo(
+        last_root_cause=restarts.last_root_cause,
+        start_failures=restarts.start_failures,
+        same_cause_run=restarts.same_cause_run,
+        recent=len(restarts.recent_at),
+        recent_at=restarts.recent_at,
     )
 
 

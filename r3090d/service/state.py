@@ -2,9 +2,10 @@
 
 Written atomically (write a temporary file, rename) every tick into the
 state directory, which systemd keeps across restarts, so the last word of a
-daemon that gave up is still there for `status` to show. Times in the file are
-wall-clock seconds; the policy's monotonic times are converted on the way out
-and back.
+daemon that gave up is still there for `status` to show, and the next daemon
+goes on from its alert book and restart history (`carried_over`). Times in the
+file are wall-clock seconds; the policy's monotonic times are converted on the
+way out and back.
 """
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import logging
 import time
 from pathlib import Path
 
 from r3090d.core.alerting import AlertBook, AlertEntry
+from r3090d.core.policy import RestartHistory
 from r3090d.core.vocabulary import Severity
+from r3090d.service.statedoc import RestartsInfo, UnreadableFormat, check_format, parse_section
+
+log = logging.getLogger("r3090d")
 
 STATE_FILE = "state.json"
 FORMAT_VERSION = 1
@@ -75,3 +81,36 @@ def book_from_json(data: dict | None, offset: float) -> AlertBook:
     except (TypeError, ValueError, AttributeError):
         return AlertBook()
     return AlertBook(entries=tuple(sorted(entries)), silenced=silenced)
+
+
+def carried_over(path: Path, offset: float) -> tuple[AlertBook, RestartHistory]:
+    """The alert book and restart history an earlier daemon left in its state file at `path`, in this
+    process's monotonic times (`offset` as wall_offset() gives it). Nothing when there is no file; a
+    damaged one, or one in a format this version cannot read, is logged and goes for nothing."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return AlertBook(), RestartHistory()
+    except OSError as exc:
+        log.warning("cannot read %s (%s): starting without the earlier daemon's alert book and restart history", path, exc)
+        return AlertBook(), RestartHistory()
+    try:
+        doc = json.loads(text)
+        if not isinstance(doc, dict):
+            raise UnreadableFormat(f"a JSON {type(doc).__name__}, not an object")
+        check_format(doc)
+    except ValueError as exc:  # bad JSON, or UnreadableFormat
+        log.warning("%s is damaged (%s): starting without the earlier daemon's alert book and restart history", path, str(exc)[:200])
+        return AlertBook(), RestartHistory()
+    return book_from_json(doc.get("alert_book"), offset), history_from_json(doc.get("restarts"), offset)
+
+
+def history_from_json(data, offset: float) -> RestartHistory:
+    """The restart history in a state document's `restarts` section; what does not fit is left out."""
+    restarts = parse_section(RestartsInfo, data) or RestartsInfo()
+    return RestartHistory(
+        restart_times=tuple(t - offset for t in restarts.recent_at),
+        start_failures=restarts.start_failures,
+        same_cause_run=restarts.same_cause_run,
+        last_root_cause=restarts.last_root_cause,
+    )

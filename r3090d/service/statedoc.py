@@ -113,7 +113,9 @@ class RestartsInfo:
     last_root_cause: str | None = None
     backoff_level: int | None = None  # None: not in the document (the exporter leaves its gauge out)
     start_failures: int = 0
+    same_cause_run: int = 0  # how many of the start_failures in a row had last_root_cause
     recent: int = 0  # unrequested restarts within watchdog.restart_storm_window
+    recent_at: list[float] = field(default_factory=list)  # when they happened: a restarted daemon counts on from them
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,8 @@ class Thresholds:
     # None: an older daemon's document, which has no thresholds
     gpu_memory_alert_bytes: int | None = None
     kv_min_free_blocks: int | None = None
+    restart_storm_restarts: int | None = None  # restart_storm fires at this many recent restarts...
+    restart_storm_window_s: float | None = None  # ... within this many seconds (RestartsInfo.recent counts them)
 
 
 @dataclass(frozen=True)

@@ -173,6 +173,10 @@ def panel(doc: StateDocument | dict, verdict: HealthVerdict, now: float, *, note
         lines.append(f"Restarts   {restarts.total} ({by}); last: {restarts.last_reason}, {ago(now - last_at) + ' ago' if last_at else '-'}")
     else:
         lines.append("Restarts   none since the daemon started")
+    if restarts.recent:
+        # restart_storm's count, which a restart of the daemon does not reset: it can hold restarts the line above does not.
+        window = d.thresholds.restart_storm_window_s
+        lines.append(f"Recent     {restarts.recent} unrequested restarts within {ago(window) if window else 'the storm window'}, earlier daemons' included")
     muted = alerts.active_silences(now)
     if alerts.firing:
         for key, a in sorted(alerts.firing.items()):

@@ -275,6 +275,14 @@ def test_thresholds_are_exported_when_the_document_carries_them():
     assert m[("r3090d_kv_free_blocks_threshold", ())] == 100
     names = {n for n, _ in samples(state_doc())}  # an older daemon's document: absent, not zero
     assert "r3090d_gpu_memory_alert_threshold_bytes" not in names and "r3090d_kv_free_blocks_threshold" not in names
+    assert "r3090d_engine_restart_storm_threshold" not in names and "r3090d_engine_restart_storm_window_seconds" not in names
+
+
+def test_recent_restarts_are_exported_with_the_daemons_storm_threshold_and_window():
+    m = samples(state_doc(restarts={"recent": 4, "by_reason": {"exited": 4}}, thresholds={"restart_storm_restarts": 3, "restart_storm_window_s": 3600.0}))
+    assert m[("r3090d_engine_recent_restarts", ())] == 4
+    assert m[("r3090d_engine_restart_storm_threshold", ())] == 3
+    assert m[("r3090d_engine_restart_storm_window_seconds", ())] == 3600.0
 
 
 def test_inference_probe_latency_and_time():

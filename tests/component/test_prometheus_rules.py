@@ -45,10 +45,10 @@ def exported_names() -> set[str]:
         "written_at": 0.0,
         "daemon": {"version": "x", "poll_interval": 2.0},
         "engine": {"phase": "ready", "maintenance": False, "ready_since": 0.0, "model": "m"},
-        "restarts": {"by_reason": {"kv": 1}, "backoff_level": 0},
+        "restarts": {"by_reason": {"kv": 1}, "backoff_level": 0, "recent": 1},
         "health": {"status": "ok"},
         "inference": {"ok": True, "latency_s": 0.5, "finished_at": 0.5},
-        "thresholds": {"gpu_memory_alert_bytes": 2, "kv_min_free_blocks": 100},
+        "thresholds": {"gpu_memory_alert_bytes": 2, "kv_min_free_blocks": 100, "restart_storm_restarts": 3, "restart_storm_window_s": 3600.0},
         "metrics": {"kv_usage": 0.5, "free_blocks": 1.0, "num_gpu_blocks": 3, "running": 1, "waiting": 1},
         "gpu": {
             "status": "ok",
@@ -155,8 +155,13 @@ def test_rules_fire_on_scrapes_of_a_real_daemon(make_daemon, tmp_path):
         ('r3090d_state_written_timestamp_seconds{job="r3090d",instance="gpu0"}', "0+60x300"),  # a tick just before every scrape
         ('r3090d_state_written_timestamp_seconds{job="r3090d",instance="gpu1"}', "0+60x300"),
         ('up{job="r3090d",instance="gpu2"}', "1 1 0+0x298"),  # a third daemon that went away
+        # gpu3's daemon counts 3 restarts in its window until minute 60; gpu4's operator restarts count for nothing.
         ('r3090d_restarts_total{job="r3090d",instance="gpu3",reason="kv"}', "0 1 2 3+0x297"),
+        ('r3090d_engine_recent_restarts{job="r3090d",instance="gpu3"}', "0 1 2 3+0x57 0+0x240"),
+        ('r3090d_engine_restart_storm_threshold{job="r3090d",instance="gpu3"}', "3+0x300"),
         ('r3090d_restarts_total{job="r3090d",instance="gpu4",reason="requested"}', "0 5 10 15+0x297"),
+        ('r3090d_engine_recent_restarts{job="r3090d",instance="gpu4"}', "0+0x300"),
+        ('r3090d_engine_restart_storm_threshold{job="r3090d",instance="gpu4"}', "3+0x300"),
     ]
     gpu1 = {"job": "r3090d", "instance": "gpu1"}
     expected = {
@@ -171,7 +176,7 @@ def test_rules_fire_on_scrapes_of_a_real_daemon(make_daemon, tmp_path):
     expected = {
         "R3090dKvCacheLow": [{"exp_labels": {**gpu1, "severity": "warning"}}],
         "R3090dDown": [{"exp_labels": {"job": "r3090d", "instance": "gpu2", "severity": "critical"}}],
-        "R3090dRestartLoop": [{"exp_labels": {"instance": "gpu3", "severity": "warning"}}],
+        "R3090dRestartLoop": [{"exp_labels": {"job": "r3090d", "instance": "gpu3", "severity": "warning"}}],
     }
     out = _promtool_test(tmp_path, constant + synthetic, expected, "30m")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -265,19 +270,21 @@ CASES = [
     ),
     AlertCase(
         "R3090dRestartLoop",
-        # Two exits and a dead engine: the third unrequested restart at minute 4, then calm. At minute 61
-        # the hour no longer holds the first restart (minute 0 to 1).
+        # The daemon's count of restarts in its window reaches its threshold at minute 3 and holds until the
+        # window passes the first of them at minute 61.
         series=(
-            (sel("r3090d_restarts_total", FIRING, reason="exited"), "0 1 1 2+0x80"),
-            (sel("r3090d_restarts_total", FIRING, reason="dead"), "0 0 0 0 1+0x80"),
+            (sel("r3090d_engine_recent_restarts", FIRING), "0 1 2 3+0x57 2+0x20"),
+            (sel("r3090d_engine_restart_storm_threshold", FIRING), "3+0x80"),
+            (sel("r3090d_engine_restart_storm_window_seconds", FIRING), "3600+0x80"),
         ),
         quiet=(
-            (sel("r3090d_restarts_total", QUIET, reason="requested"), "0 5 10 15+0x80"),  # the operator's
-            (sel("r3090d_restarts_total", QUIET, reason="exited"), "0 1 2+0x80"),
+            (sel("r3090d_engine_recent_restarts", QUIET), "0 1 2 3 4+0x76"),
+            (sel("r3090d_engine_restart_storm_threshold", QUIET), "5+0x80"),  # a daemon configured for more
+            (sel("r3090d_engine_restart_storm_window_seconds", QUIET), "3600+0x80"),
         ),
-        start=4,
-        labels={"instance": FIRING},
-        annotations={"summary": "the engine on gpu0 restarted 3 times in an hour"},
+        start=3,
+        labels=FIRING_JOB,
+        annotations={"summary": "the engine on gpu0 restarted 3 times in 1h 0m 0s"},
         resolved=61,
     ),
     AlertCase(
@@ -437,4 +444,55 @@ def test_every_alert_fires_on_time_with_its_annotations_and_not_on_a_near_miss(t
     path = tmp_path / "alerts-test.yml"
     path.write_text(yaml.safe_dump(test, sort_keys=False))
     out = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@needs_promtool
+def test_restart_loop_sees_every_restart_the_daemon_counts(tmp_path):
+    """At a 15 s scrape: restarts from before Prometheus' first scrape count at once, and a burst of 4 in
+    30 s keeps the alert firing for as long as the daemon's window holds them (3600 s, 240 scrapes)."""
+    series = []
+    for instance, counter, recent in (
+        ("early", "4+0x300", "4+0x300"),  # 4 restarts before the first scrape; the daemon's window holds them
+        ("burst", "0 2 4+0x300", "0 2 4+0x237 0+0x62"),  # 2 + 2 restarts within 30 s; out of the window at 60 min
+    ):
+        series += [
+            (sel("r3090d_restarts_total", instance, reason="exited"), counter),
+            (sel("r3090d_engine_recent_restarts", instance), recent),
+            (sel("r3090d_engine_restart_storm_threshold", instance), "3+0x300"),
+            (sel("r3090d_engine_restart_storm_window_seconds", instance), "3600+0x300"),
+        ]
+
+    def firing(*instances: str) -> list[dict]:
+        return [{"exp_labels": {"job": "r3090d", "instance": i, "severity": "warning"}} for i in instances]
+
+    expected = {
+        "0s": firing("early"),
+        "15s": firing("early"),
+        "30s": firing("early", "burst"),
+        "45s": firing("early", "burst"),
+        "5m": firing("early", "burst"),
+        "30m": firing("early", "burst"),
+        "59m45s": firing("early", "burst"),
+        "60m": firing("early"),
+    }
+    rules = yaml.safe_load(RULES.read_text())
+    [group] = rules["groups"]
+    group["rules"] = [{k: v for k, v in RULE_BY_ALERT["R3090dRestartLoop"].items() if k != "annotations"}]
+    bare = tmp_path / "rules.yml"
+    bare.write_text(yaml.safe_dump(rules))
+    test = {
+        "rule_files": [str(bare)],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": [{"series": s, "values": v} for s, v in series],
+                "alert_rule_test": [{"eval_time": at, "alertname": "R3090dRestartLoop", "exp_alerts": alerts} for at, alerts in expected.items()],
+            }
+        ],
+    }
+    path = tmp_path / "restart-loop-test.yml"
+    path.write_text(yaml.safe_dump(test, sort_keys=False))
+    out = subprocess.run(["promtool", "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr

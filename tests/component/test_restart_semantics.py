@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.component.test_daemon_supervision import run_daemon  # noqa: F401  (fixture)
+from tests.ctl_harness import ctl
 from tests.daemon_harness import engine_config, group_members
 from tests.waiting import wait_until
 
@@ -114,3 +115,75 @@ def test_an_engine_that_cannot_start_is_given_up_on_with_its_root_cause(run_daem
     assert restarted and all(cause in line for line in restarted), restarted  # min_interval may hold back the later ones
     # The daemon stays, the engine is stopped.
     assert d.proc.poll() is None and st["engine"]["pid"] is None
+
+
+# ------------------------------------------------------------------ across a restart of the daemon
+
+
+def _kill_as_systemd_would(d, engine_pid: int | None) -> None:
+    """SIGKILL the daemon, then the rest of its control group (the engine's process group), as systemd does."""
+    os.kill(d.pid, signal.SIGKILL)
+    d.wait_exit(10)
+    if engine_pid:
+        try:
+            os.killpg(engine_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        wait_until(lambda: group_members(engine_pid) == [], 10, what="the engine's process group gone")
+
+
+def _ticks(st: dict) -> int:
+    return st["telemetry"]["poll_duration_seconds"]["count"]
+
+
+def test_a_killed_daemons_successor_counts_on_from_its_recent_restarts(run_daemon, tmp_path, fake_engine_python):  # noqa: F811
+    sections = engine_config(
+        tmp_path,
+        fake_engine_python,
+        watchdog={"min_uptime": 0.5, "restart_storm_restarts": 3, "restart_storm_window": 600.0, "backoff_initial": 20.0, "backoff_max": 20.0},
+        alerts={"min_interval": 0.0, "hysteresis_polls": 1},  # a wrong RESOLVED would go out at the first tick
+    )
+    first = run_daemon(sections)
+    st = first.wait_ready()
+    for _ in range(4):
+        wait_until(lambda: _ready_for(first) > 1.0, 30, what="min_uptime passed")
+        old = st["engine"]["pid"]
+        os.kill(old, signal.SIGKILL)
+        st = first.wait_ready(timeout=30, generation_pid=old)
+    st = first.wait_for(lambda s: s if "restart_storm" in s["alerts"]["firing"] else None, 10, "restart_storm firing")
+    assert st["restarts"]["recent"] == 4, st["restarts"]
+    _kill_as_systemd_would(first, st["engine"]["pid"])
+
+    second = run_daemon(sections)
+    started = second.wait_ready()
+    now = second.wait_for(lambda s: s if _ticks(s) >= _ticks(started) + 10 else None, 30, "10 more ticks")
+    assert now["daemon"]["pid"] == second.pid
+    assert alert_lines(second.log(), "restart_storm") == [], second.log()[-3000:]  # no RESOLVED, no second FIRING
+    assert "restart_storm" in now["alerts"]["firing"]
+    restarts = now["restarts"]
+    assert (restarts["recent"], restarts["total"]) == (4, 0), restarts  # the window's count goes on; the counter is this daemon's
+    assert restarts["recent_at"] == pytest.approx(st["restarts"]["recent_at"], abs=0.05)
+    status = ctl(second.config_path, "status")
+    assert "Recent     4 unrequested restarts within 10 min" in status.stdout, status.stdout + status.stderr
+
+
+def test_a_killed_daemons_successor_counts_on_from_its_start_failures(run_daemon, tmp_path, fake_engine_python):  # noqa: F811
+    # The double's KV cache cannot hold its max_model_len: every start fails with the same root cause.
+    # After the second failure the daemon waits out a long backoff; it is killed there.
+    sections = engine_config(
+        tmp_path,
+        fake_engine_python,
+        extra_args=["--fake-num-gpu-blocks", "8", "--max-model-len", "4096"],
+        watchdog={"start_failures": 100, "same_cause_failures": 3, "backoff_initial": 120.0, "backoff_max": 120.0},
+    )
+    first = run_daemon(sections)
+    st = first.wait_for(lambda s: s if s["engine"]["phase"] == "backoff" else None, 60, "the backoff after the second start failure")
+    assert st["restarts"]["start_failures"] == 2, st["restarts"]
+    _kill_as_systemd_would(first, st["engine"]["pid"])
+
+    # The successor's first start fails the same way: the third in a row, so it gives up at once.
+    second = run_daemon(sections)
+    # (Counting from zero, it would fail twice, then wait out the backoff.)
+    st = second.wait_for(lambda s: s if s["engine"]["phase"] == "given-up" else None, 45, "given-up")
+    assert st["give_up_reason"].startswith("3 start failures in a row with the same cause"), st["give_up_reason"]
+    assert "ValueError: To serve at least one request" in st["give_up_reason"]

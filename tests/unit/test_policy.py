@@ -721,3 +721,47 @@ def test_hot_power_capped_or_throttled_gpu_conditions(reading, key, active):
     life = rules.LifecycleFacts(phase=Phase.READY, backoff_remaining=None, restart_reason=None, give_up_reason=None)
     (cond,) = [x for x in rules.conditions(snap(0, gpu=g), rules.WatchState(), c, 0.0, life) if x.key == key]
     assert cond.active is active and cond.severity == "warning"
+
+
+def test_restarts_carried_on_from_an_earlier_daemon_keep_the_storm_alert_until_the_window_passes():
+    c = cfg(min_uptime=5.0, restart_storm_restarts=3, restart_storm_window=120.0, alerts={"min_interval": 0.0, "hysteresis_polls": 1})
+    st = ready_state(c)
+    now, sent = 10.0, []
+    for gen in range(1, 5):
+        _, st, acts = crash_and_restart(st, c, now, gen)
+        sent += alerts_of(acts, "restart_storm")
+        for later in (now + 1.0, now + 10.0):  # ready again, then for longer than min_uptime
+            acts, st = policy.decide(snap(later, ch=child(gen=gen + 1)), st, c, later)
+            sent += alerts_of(acts, "restart_storm")
+        now += 10.0
+    assert sent == ["firing"] and len(st.restart_times) == 4
+    # The daemon is killed; the next one starts from its state file a few seconds later (CLOCK_MONOTONIC goes on).
+    history = policy.RestartHistory(st.restart_times, st.start_failures, st.same_cause_run, st.last_root_cause)
+    now += 5.0
+    new = policy.carry_on(dataclasses.replace(policy.initial_state(now), alerts=st.alerts), history, c, now)
+    assert new.restart_times == st.restart_times and new.phase is Phase.STOPPED
+    acts, new = policy.decide(snap(now, ch=ChildSample()), new, c, now)
+    sent = alerts_of(acts, "restart_storm")
+    while now < 10.0 + 120.0 + 30.0:
+        now += 1.0
+        acts, new = policy.decide(snap(now, ch=child(gen=1)), new, c, now)
+        sent += alerts_of(acts, "restart_storm")
+        if not sent:
+            assert len(new.restart_times) >= 3, now
+    assert sent == ["resolved"]  # once, when the window no longer holds 3 of the carried restarts
+
+
+@pytest.mark.parametrize(
+    "times, expected",
+    [
+        ((100.0, 500.0, 900.0), (500.0, 900.0)),  # the window is 600 s: 900 s ago is out
+        ((400.0, 401.0), (401.0,)),  # exactly the window ago is out, as decide() counts
+        ((999.0, 1005.0), (999.0, 1000.0)),  # stamped after now (the wall clock stepped back): now
+        ((), ()),
+    ],
+)
+def test_carry_on_keeps_the_restarts_inside_the_window(times, expected):
+    c = cfg(restart_storm_window=600.0)
+    st = policy.carry_on(policy.initial_state(1000.0), policy.RestartHistory(times, 3, 5, "boom"), c, 1000.0)
+    assert st.restart_times == expected
+    assert (st.start_failures, st.same_cause_run, st.last_root_cause) == (3, 3, "boom")  # a run no longer than the failures

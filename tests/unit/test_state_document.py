@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from r3090d import config, exitcodes
+from r3090d.core import policy
 from r3090d.core.alerting import AlertBook, AlertEntry
 from r3090d.core.policy import PolicyState
 from r3090d.core.snapshot import (
@@ -33,6 +34,7 @@ from r3090d.core.vocabulary import Phase
 from r3090d.preflight.checks import CheckResult, Status
 from r3090d.service import exporter, statusview
 from r3090d.service.report import preflight_report, report
+from r3090d.service.state import carried_over
 from r3090d.service.statedoc import (
     FORMAT_VERSION,
     DaemonIdentity,
@@ -463,3 +465,59 @@ def test_status_shows_how_the_last_request_failed_once():
     _, lines = panel_text(full_report(failed))
     assert "Last op    resume (request 4) failed 60 min ago: restore failed: CUDA error; the engine restarts cold" in lines
     assert not [line for line in panel_text(full_report())[1] if line.startswith(("Suspended", "Stage", "Last op", "Resume"))]
+
+
+# ------------------------------------------------------------------ what the next daemon goes on from
+
+
+def test_the_next_daemon_goes_on_from_the_restart_history_in_the_file(tmp_path, caplog):
+    window = CFG.watchdog.restart_storm_window  # 3600 s
+    written = full_report(restart_times=(800.0 - window, 700.0, 800.0), start_failures=2, same_cause_run=2)  # the first is out of the window
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(written.to_json()))
+    assert written.restarts.recent_at == [OFFSET + 800.0 - window, OFFSET + 700.0, OFFSET + 800.0]
+    # The next process's monotonic clock reads 50 at NOW + 20 (its offset is NOW - 30).
+    book, history = carried_over(path, NOW - 30.0)
+    assert history.restart_times == pytest.approx((800.0 - window - 970.0, 700.0 - 970.0, 800.0 - 970.0))
+    assert (history.start_failures, history.same_cause_run, history.last_root_cause) == (2, 2, "CUDA out of memory")
+    assert [key for key, entry in book.entries if entry.firing] == ["gpu_memory"]
+    st_ = policy.carry_on(policy.initial_state(50.0), history, CFG, 50.0)
+    assert st_.restart_times == pytest.approx((700.0 - 970.0, 800.0 - 970.0))  # 1000 and 900 s ago: the oldest dropped
+    assert (st_.start_failures, st_.same_cause_run, st_.last_root_cause) == (2, 2, "CUDA out of memory")
+    assert not caplog.records
+
+
+def test_preflight_hands_the_restart_history_on():
+    earlier = parse(json.loads(json.dumps(full_report(restart_times=(700.0, 800.0), start_failures=2, same_cause_run=1).to_json())))
+    doc = parse(json.loads(json.dumps(preflight_document("port: 8000 busy", earlier, at=NOW + 10))))
+    r = doc.restarts
+    assert (r.recent_at, r.recent, r.start_failures, r.same_cause_run, r.last_root_cause) == ([OFFSET + 700.0, OFFSET + 800.0], 2, 2, 1, "CUDA out of memory")
+    assert (r.total, r.by_reason, r.last_reason) == (0, {}, None)  # this daemon has restarted nothing
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ('{"restarts": {"recent_at": [1.0, 2.0', "Expecting"),  # cut off
+        ("[1, 2]", "a JSON list, not an object"),
+        ('{"format": 99, "restarts": {"recent_at": [1.0]}}', "format 99"),
+        ("\x00\xff", "Expecting value"),
+    ],
+)
+def test_a_damaged_state_file_is_logged_and_goes_for_nothing(tmp_path, caplog, text, why):
+    path = tmp_path / "state.json"
+    path.write_text(text, errors="surrogateescape")
+    book, history = carried_over(path, 0.0)
+    assert (book, history) == (AlertBook(), policy.RestartHistory())
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and str(path) in record.getMessage() and why in record.getMessage()
+
+
+def test_fields_of_the_wrong_kind_are_left_out_and_no_file_is_no_history(tmp_path, caplog):
+    path = tmp_path / "state.json"
+    assert carried_over(path, 0.0) == (AlertBook(), policy.RestartHistory())  # a first start: nothing to say
+    path.write_text(json.dumps({"restarts": {"recent_at": [100.0, "x", None, True, 200.0], "start_failures": "3", "same_cause_run": 2, "last_root_cause": 7}}))
+    _, history = carried_over(path, 10.0)
+    assert history == policy.RestartHistory(restart_times=(90.0, 190.0), start_failures=0, same_cause_run=2)
+    assert policy.carry_on(policy.initial_state(200.0), history, CFG, 200.0).same_cause_run == 0  # no run longer than the failures
+    assert not caplog.records
