@@ -24,6 +24,7 @@ import threading
 from r3090d.vllmlines import VLLM_LOGGER, Priority
 
 ENV_JOURNAL_STREAM = "JOURNAL_STREAM"
+QUIET_LIBRARY_LOGGERS = ("httpx", "httpcore")
 
 
 def priority_of(levelno: int) -> Priority:
@@ -111,3 +112,7 @@ def setup_logging() -> None:
     handler.setFormatter(formatter)
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
     logging.getLogger(VLLM_LOGGER).setLevel(logging.DEBUG)
+    # The HTTP client logs every request at INFO: the daemon polls /health and /metrics each
+    # tick, and the journal would fill with them. Its warnings still come through.
+    for chatty in QUIET_LIBRARY_LOGGERS:
+        logging.getLogger(chatty).setLevel(logging.WARNING)

@@ -155,7 +155,8 @@ def test_a_killed_daemons_successor_counts_on_from_its_recent_restarts(run_daemo
     _kill_as_systemd_would(first, st["engine"]["pid"])
 
     second = run_daemon(sections)
-    started = second.wait_ready()
+    # Its own document: the state file holds the first daemon's last one until the second writes.
+    started = second.wait_for(lambda s: s if s["daemon"]["pid"] == second.pid and s["engine"]["phase"] == "ready" else None, 30, "the second daemon ready")
     now = second.wait_for(lambda s: s if _ticks(s) >= _ticks(started) + 10 else None, 30, "10 more ticks")
     assert now["daemon"]["pid"] == second.pid
     assert alert_lines(second.log(), "restart_storm") == [], second.log()[-3000:]  # no RESOLVED, no second FIRING

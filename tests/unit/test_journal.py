@@ -433,3 +433,17 @@ def test_a_relayed_validation_error_reaches_the_journal_at_err_line_by_line(stde
     assert [line for line in relayed[start:] if not line.startswith("<3>")] == []
     assert any("[vllm]   Value error, User-specified max_model_len (999999)" in line for line in relayed[start:])
     engine.kill_now()
+
+
+def test_the_http_clients_request_lines_stay_out_and_its_warnings_come_through(stderr_file, monkeypatch, tmp_path):
+    """A real request through httpx: its "HTTP Request: GET ..." INFO line would go out every tick."""
+    import httpx
+
+    path, _ = stderr_file()
+    monkeypatch.delenv("JOURNAL_STREAM", raising=False)
+    journal.setup_logging()
+    with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200)), trust_env=False) as client:
+        client.get("http://127.0.0.1:9/health")
+    logging.getLogger("httpx").warning("a client warning")
+    text = path.read_text()
+    assert "HTTP Request" not in text and "a client warning" in text
