@@ -203,6 +203,17 @@ def execute(command: Command, emit: Emit, load=load_driver, clock=time.monotonic
     return outcome
 
 
+def handle(text: str, emit: Emit, load=load_driver) -> Outcome:
+    """Parse one command line and run it; a bad line is answered "rejected", its reason also on stderr."""
+    try:
+        command = Command.parse(text)
+    except ValueError as exc:
+        print(f"r3090d suspender: {exc}", file=sys.stderr, flush=True)
+        emit(Line(DONE, 0.0, ok=False, error=str(exc), outcome=Outcome.REJECTED))
+        return Outcome.REJECTED
+    return execute(command, emit, load)
+
+
 def _emit(line: Line) -> None:
     # The daemon may be gone: the sequence still runs to its end, so an engine is
     # never left locked because nobody was listening.
@@ -214,15 +225,7 @@ def _emit(line: Line) -> None:
 
 
 def main() -> int:
-    text = sys.stdin.readline()
-    try:
-        command = Command.parse(text)
-    except ValueError as exc:
-        print(f"r3090d suspender worker: {exc}", file=sys.stderr)
-        _emit(Line(DONE, 0.0, ok=False, error=str(exc), outcome=Outcome.REJECTED))
-        return EXIT_REJECTED
-    execute(command, _emit)
-    return 0
+    return EXIT_REJECTED if handle(sys.stdin.readline(), _emit) is Outcome.REJECTED else 0
 
 
 if __name__ == "__main__":
