@@ -8,6 +8,7 @@ file for what it was sent, so a test sees which process got which signal.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +20,10 @@ from pathlib import Path
 import pytest
 
 from r3090d import procstat
+from r3090d.core.suspend_types import Outcome, ProcessState
+from r3090d.effectors.checkpoint import FAKE_ENV
 from r3090d.effectors.child import EngineProcess, group_members
+from r3090d.effectors.suspender import Suspender
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
@@ -71,8 +75,8 @@ class Rig:
     def argv(self, code: int = 0, mode: str = "tree") -> list[str]:
         return [sys.executable, "-c", SERVER, str(self.marks), str(code), mode, CORE]
 
-    def start(self, code: int = 0, mode: str = "tree") -> int:
-        self.engine.spawn(self.argv(code, mode), dict(os.environ))
+    def start(self, code: int = 0, mode: str = "tree", env: dict[str, str] | None = None) -> int:
+        self.engine.spawn(self.argv(code, mode), env or dict(os.environ))
         wait_until(lambda: (self.marks / "server.pid").exists(), BOUND, what="the stand-in API server")
         return self.engine.sample().pid
 
@@ -165,3 +169,31 @@ def test_a_sigkilled_daemon_leaves_no_engine_behind(rig, tmp_path):
     finally:
         daemon.kill()
         daemon.wait()
+
+
+def test_checkpoint_commands_run_in_the_launcher_and_its_end_cuts_one_short(rig, tmp_path):
+    fake_cuda = Path(__file__).resolve().parents[1] / "fakecuda"
+    card, control, calls = tmp_path / "card.json", tmp_path / "cuda.json", tmp_path / "calls.jsonl"
+    control.write_text(json.dumps({"log": str(calls)}))
+    env = {**os.environ, "PYTHONPATH": f"{fake_cuda}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", FAKE_ENV: str(control),
+           "R3090D_FAKE_NVML": str(card)}  # fmt: skip
+    suspender = Suspender(launcher=rig.engine.channel)
+    assert suspender.query(4242)
+    sample = suspender.wait(BOUND)
+    assert (sample.outcome, sample.error) == (Outcome.FAILED, "no engine is running: no process 4242 to state")
+
+    launcher = rig.start(env=env)
+    core = rig.pid("core")
+    card.write_text(json.dumps({"processes": [[core, 1000]]}))
+    assert suspender.query(core)
+    sample = suspender.wait(BOUND)
+    assert (sample.outcome, sample.state) == (Outcome.REPORTED, ProcessState.RUNNING), sample
+    assert [json.loads(line)["caller"] for line in calls.read_text().splitlines()] == [launcher]
+
+    control.write_text(json.dumps({"log": str(calls), "delay_s": {"state": 60}}))
+    assert suspender.query(core)
+    wait_until(lambda: len(calls.read_text().splitlines()) == 2, BOUND, what="the second call to begin")
+    os.kill(launcher, signal.SIGKILL)
+    sample = suspender.wait(BOUND)
+    assert (sample.outcome, sample.error) == (Outcome.UNKNOWN, "the engine's launcher exited without a result"), sample
+    assert wait_until(rig.exited, BOUND, what="the engine's exit").exit_code == -signal.SIGKILL
