@@ -9,6 +9,7 @@ import signal
 import httpx
 import pytest
 
+from r3090d import procstat
 from tests.component.test_daemon_supervision import run_daemon  # noqa: F401  (fixture)
 from tests.daemon_harness import engine_config, group_members
 from tests.waiting import wait_until
@@ -29,7 +30,7 @@ def _fault(n: int, st: dict) -> None:
     elif kind == 1:
         os.kill(main, signal.SIGKILL)
     elif kind == 2:
-        core = [p for p in group_members(main) if p != main]
+        core = [p for p in group_members(main) if (proc := procstat.read(p)) is not None and proc.comm == "fake-EngineCore"]
         os.kill(core[0], signal.SIGKILL)
     else:
         httpx.post(f"{url}/fake/control", json={"health": "503"}, timeout=5, trust_env=False)
