@@ -128,6 +128,11 @@ class EngineProcess:
     # ------------------------------------------------------------- spawning
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None) -> None:
+        """Start `argv` (vLLM's API server) under the engine's launcher.
+
+        Call it from a thread that lives as long as the daemon (the loop's): the
+        launcher's parent-death signal comes when the thread that forked it ends.
+        """
         with self._lock:
             if self._proc is not None and self._proc.poll() is None:
                 raise RuntimeError("engine already running")

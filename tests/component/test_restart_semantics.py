@@ -11,7 +11,7 @@ import pytest
 
 from r3090d import procstat
 from tests.component.test_daemon_supervision import run_daemon  # noqa: F401  (fixture)
-from tests.daemon_harness import engine_config, group_members
+from tests.daemon_harness import api_server_pid, engine_config, group_members
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
@@ -28,7 +28,7 @@ def _fault(n: int, st: dict) -> None:
     if kind == 0:
         httpx.post(f"{url}/fake/control", json={"exit": 0}, timeout=5, trust_env=False)
     elif kind == 1:
-        os.kill(main, signal.SIGKILL)
+        os.kill(api_server_pid(main), signal.SIGKILL)
     elif kind == 2:
         core = [p for p in group_members(main) if (proc := procstat.read(p)) is not None and proc.comm == "fake-EngineCore"]
         os.kill(core[0], signal.SIGKILL)
