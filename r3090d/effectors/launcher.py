@@ -45,6 +45,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from r3090d.core.suspend_types import Outcome
 from r3090d.effectors.suspender_worker import DONE, Command, Line, handle
 
 MODULE = "r3090d.effectors.launcher"
@@ -84,7 +85,10 @@ def _serve(control: int, reply: int) -> None:
 
     with os.fdopen(control, "r", encoding="utf-8") as lines:
         for text in lines:
-            handle(text, emit)
+            try:
+                handle(text, emit)
+            except Exception as exc:  # noqa: BLE001 - the daemon must get an answer, or the operation stays in flight
+                emit(Line(DONE, 0.0, ok=False, error=f"{type(exc).__name__}: {exc}", outcome=Outcome.UNKNOWN))
 
 
 def _relay(status: int) -> None:
