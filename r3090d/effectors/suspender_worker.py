@@ -1,8 +1,12 @@
-"""The helper process that suspends or resumes the engine: `python -m r3090d.effectors.suspender_worker`.
+"""One suspend, resume or state command against the driver, and the helper process that runs one:
+`python -m r3090d.effectors.suspender_worker`.
 
 The daemon never calls the CUDA driver itself: cuInit, and a driver call stuck
-in D state, stay in this short-lived process. It reads one JSON command on
-stdin and writes JSON lines on stdout:
+in D state, stay in another process. For the daemon's engine that is its
+launcher (r3090d.effectors.launcher, an ancestor of every engine process, as
+ptrace's rules want), which runs `handle()` for each command line it is sent;
+for an engine preflight finds running, it is this short-lived process, which
+reads one JSON command on stdin and writes JSON lines on stdout:
 
     in:   {"op": "suspend" | "resume" | "state", "pid": 1234, "lock_timeout_ms": 5000}
     out:  {"step": "lock", "elapsed_s": 0.21, "ok": null, "error": "", "state": null}       a step begins
