@@ -203,6 +203,12 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
+def api_server_pid(engine_pid: int) -> int:
+    """vLLM's API server (or the double's): the one child of the engine's launcher, whose pid is the engine's."""
+    (api,) = psutil.Process(engine_pid).children()
+    return api.pid
+
+
 def bind_unix_dgram(path: Path, timeout: float = 5.0) -> socket.socket:
     """A listening syslog-style socket."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -1,10 +1,13 @@
 """The engine's process tree: spawn it in its own session, watch it, stop it in order.
 
-vLLM's API server starts EngineCore, which starts the workers; none of them call
-setsid, so the whole tree shares one process group, and the engine runs in a new
-session made for it. The group id is therefore the handle on every process the
-engine ever started, including orphans reparented to init after the API server
-dies (on a GPU those orphans keep holding VRAM).
+The tree is r3090d.effectors.launcher -> vLLM's API server -> EngineCore ->
+workers. The launcher (the process spawned here, whose pid is the engine's pid
+and group id) makes the checkpoint calls as the ancestor of every engine
+process, relays the API server's end as its own, and passes SIGTERM on to it
+alone. None of them call setsid, so the whole tree shares one process group,
+and the engine runs in a new session made for it. The group id is therefore the
+handle on every process the engine ever started, including orphans reparented
+to init after the launcher exits (on a GPU those orphans keep holding VRAM).
 
 Nothing here blocks the caller: exits are seen by a waiter thread the moment they
 happen, and stop sequences run in a stopper thread. Both set `wake` so the loop
@@ -20,6 +23,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -28,6 +32,7 @@ import psutil
 from r3090d import procstat
 from r3090d.core import rootcause
 from r3090d.core.snapshot import ChildSample
+from r3090d.effectors import launcher
 from r3090d.probes.cgroup import OomKillCount, OomKillCounter
 from r3090d.vllmlines import VLLM_LOGGER, VllmLineClassifier
 
@@ -54,6 +59,9 @@ REAP_TIMEOUT_S = 15.0  # SIGKILLed processes in D state can take a while to go
 # pipe delays, so the wait is short.
 OUTPUT_DRAIN_S = 10.0
 OUTPUT_DRAIN_WITHOUT_PIDFD_S = 0.5
+# After the launcher's exit, the longest wait for its reply pipe to close: what it
+# said last (that the API server could not be started) is read by then.
+REPLY_CLOSE_S = 2.0
 
 
 def group_members(pgid: int) -> tuple[int, ...]:
@@ -115,10 +123,16 @@ class EngineProcess:
         self._stop_requested = False
         self._stopper: threading.Thread | None = None
         self._spawn_error: str | None = None
+        self._channel: launcher.LauncherChannel | None = None
 
     # ------------------------------------------------------------- spawning
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None) -> None:
+        """Start `argv` (vLLM's API server) under the engine's launcher.
+
+        Call it from a thread that lives as long as the daemon (the loop's): the
+        launcher's parent-death signal comes when the thread that forked it ends.
+        """
         with self._lock:
             if self._proc is not None and self._proc.poll() is None:
                 raise RuntimeError("engine already running")
@@ -133,9 +147,13 @@ class EngineProcess:
             if self._oom_at_start.error and not self._oom_unreadable_told:
                 self._oom_unreadable_told = True
                 log.warning("an OOM kill of the engine cannot be told from another death: %s", self._oom_at_start.error)
+            control_r, control_w = os.pipe()
+            reply_r, reply_w = os.pipe()
+            launcher_argv = [sys.executable, "-m", launcher.MODULE, "--control-fd", str(control_r), "--reply-fd", str(reply_w),
+                             "--parent", str(os.getpid()), "--", *argv]  # fmt: skip
             try:
                 proc = subprocess.Popen(
-                    argv,
+                    launcher_argv,
                     env=env,
                     cwd=cwd,
                     stdin=subprocess.DEVNULL,
@@ -143,14 +161,21 @@ class EngineProcess:
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                     close_fds=True,
+                    pass_fds=(control_r, reply_w),
                 )
             except OSError as exc:
+                for fd in (control_r, control_w, reply_r, reply_w):
+                    os.close(fd)
                 self._proc = None
                 self._pgid = None
-                self._spawn_error = f"cannot start {argv[0]}: {exc.strerror or exc}"
+                self._channel = None
+                self._spawn_error = f"cannot start {launcher_argv[0]}: {exc.strerror or exc}"
                 self._exited_at = time.monotonic()
                 self._wake.set()
                 return
+            os.close(control_r)
+            os.close(reply_w)
+            self._channel = channel = launcher.LauncherChannel(control_w, reply_r)
             self._proc = proc
             self._pgid = proc.pid  # session leader: pgid == pid
             generation = self._generation
@@ -158,7 +183,8 @@ class EngineProcess:
         drained = threading.Event()
         threading.Thread(target=self._read_output, args=(proc, exit_fd, drained), name="engine-output", daemon=True).start()
         drain_s = OUTPUT_DRAIN_S if exit_fd is not None else OUTPUT_DRAIN_WITHOUT_PIDFD_S
-        threading.Thread(target=self._wait_exit, args=(proc, generation, drained, drain_s), name="engine-waiter", daemon=True).start()
+        threading.Thread(target=self._wait_exit, args=(proc, channel, generation, drained, drain_s), name="engine-waiter",
+                         daemon=True).start()  # fmt: skip
 
     def _read_output(self, proc: subprocess.Popen, exit_fd: int | None, drained: threading.Event) -> None:
         """Relay the engine's output, line by line, until EOF; set `drained` once
@@ -211,16 +237,25 @@ class EngineProcess:
             if exit_fd is not None:
                 os.close(exit_fd)
 
-    def _wait_exit(self, proc: subprocess.Popen, generation: int, drained: threading.Event, drain_s: float) -> None:
+    def _wait_exit(self, proc: subprocess.Popen, channel: launcher.LauncherChannel, generation: int, drained: threading.Event,
+                   drain_s: float) -> None:  # fmt: skip
         code = proc.wait()
+        channel.close()
+        channel.closed.wait(REPLY_CLOSE_S)
         drained.wait(drain_s)
         oom_at_exit = self._oom_kills.read()  # the kill is counted before its SIGKILL is sent
         with self._lock:
             if generation == self._generation:
                 self._oom_at_exit = oom_at_exit
                 self._exit_code = code
+                self._spawn_error = channel.spawn_error
                 self._exited_at = time.monotonic()
         self._wake.set()
+
+    def channel(self) -> launcher.LauncherChannel | None:
+        """The running launcher's command pipes; None when no engine runs (nothing to checkpoint)."""
+        with self._lock:
+            return self._channel if self._proc is not None and self._exited_at is None else None
 
     # -------------------------------------------------------------- stopping
 

@@ -1,9 +1,14 @@
 """Lend the GPU and take it back: suspend the engine through the driver's process checkpoint.
 
-The daemon's side. Each operation runs in a fresh helper process
-(r3090d.effectors.suspender_worker), started and read by a thread, so neither
-cuInit nor a driver call stuck in D state ever touches the daemon's loop. The
-loop reads a frozen `SuspendSample` each tick, as it reads the inference probe.
+The daemon's side. The driver applies ptrace's access rules (under Yama's
+ptrace_scope = 1 only an ancestor of the engine may act on it), so the daemon's
+operations run in the engine's launcher (r3090d.effectors.launcher), the
+ancestor of every engine process, sent over its command pipe. Elsewhere (preflight
+asking about an engine it did not start) each operation runs in a fresh helper
+process (r3090d.effectors.suspender_worker). Either way a thread sends the
+command and reads the progress lines, so neither cuInit nor a driver call stuck
+in D state ever touches the daemon's loop. The loop reads a frozen
+`SuspendSample` each tick, as it reads the inference probe.
 
 A suspended engine keeps its process and its host memory (its GPU bytes move
 into it: RSS grows by the VRAM it held); only its GPU memory is given back.
@@ -20,10 +25,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 
 from r3090d.core.suspend_types import Op, Outcome, Step, StepResult, SuspendSample
+from r3090d.effectors.launcher import LauncherChannel
 from r3090d.effectors.suspender_worker import DONE, Command, Line
 
 WORKER_MODULE = "r3090d.effectors.suspender_worker"
@@ -35,10 +41,17 @@ _MAX_ERROR = 300
 
 
 class Suspender:
-    """Runs one suspend/resume/state operation at a time in a worker process; the loop reads `sample()`."""
+    """Runs one suspend/resume/state operation at a time; the loop reads `sample()`.
+
+    With `launcher` (a callable giving the running engine's LauncherChannel, or
+    None when no engine runs) each operation goes to the engine's launcher;
+    without, each runs in a worker process of its own.
+    """
 
     def __init__(self, *, python: str = sys.executable, env: Mapping[str, str] | None = None,
-                 deadline_s: float = DEFAULT_DEADLINE_S, wake: threading.Event | None = None):  # fmt: skip
+                 deadline_s: float = DEFAULT_DEADLINE_S, wake: threading.Event | None = None,
+                 launcher: Callable[[], LauncherChannel | None] | None = None):  # fmt: skip
+        self._launcher = launcher
         self._argv = [python, "-m", WORKER_MODULE]
         self._env = dict(os.environ if env is None else env)
         self._deadline_s = deadline_s
@@ -104,6 +117,31 @@ class Suspender:
             self._finish(generation, outcome, error)
 
     def _drive(self, generation: int, command: Command) -> tuple[Outcome, str]:
+        if self._launcher is None:
+            return self._drive_worker(generation, command)
+        channel = self._launcher()
+        if channel is None:
+            return Outcome.FAILED, f"no engine is running: no process {command.pid} to {command.op}"
+        done = self._follow(generation, channel.exchange(command))
+        if done is not None and done.outcome is not None:
+            return done.outcome, done.error
+        return Outcome.UNKNOWN, "the engine's launcher exited without a result"
+
+    def _follow(self, generation: int, lines: Iterable[str]) -> Line | None:
+        """Apply each progress line to the sample; the last line (step "done"), or None if none came."""
+        done: Line | None = None
+        for text in lines:
+            try:
+                line = Line.parse(text)
+            except (ValueError, KeyError):
+                self._note(generation, f"unreadable worker line: {text.strip()[:120]}")
+                continue
+            self._apply(generation, line)
+            if line.step == DONE:
+                done = line
+        return done
+
+    def _drive_worker(self, generation: int, command: Command) -> tuple[Outcome, str]:
         with tempfile.TemporaryFile() as errors:
             try:
                 proc = subprocess.Popen(
@@ -118,16 +156,7 @@ class Suspender:
                     proc.stdin.close()
                 except OSError:
                     pass  # it exited at once; its stderr says why
-                done: Line | None = None
-                for text in proc.stdout:
-                    try:
-                        line = Line.parse(text)
-                    except (ValueError, KeyError):
-                        self._note(generation, f"unreadable worker line: {text.strip()[:120]}")
-                        continue
-                    self._apply(generation, line)
-                    if line.step == DONE:
-                        done = line
+                done = self._follow(generation, proc.stdout)
                 rc = proc.wait()
             if done is not None and done.outcome is not None:
                 return done.outcome, done.error

@@ -1,8 +1,12 @@
-"""The helper process that suspends or resumes the engine: `python -m r3090d.effectors.suspender_worker`.
+"""One suspend, resume or state command against the driver, and the helper process that runs one:
+`python -m r3090d.effectors.suspender_worker`.
 
 The daemon never calls the CUDA driver itself: cuInit, and a driver call stuck
-in D state, stay in this short-lived process. It reads one JSON command on
-stdin and writes JSON lines on stdout:
+in D state, stay in another process. For the daemon's engine that is its
+launcher (r3090d.effectors.launcher, an ancestor of every engine process, as
+ptrace's rules want), which runs `handle()` for each command line it is sent;
+for an engine preflight finds running, it is this short-lived process, which
+reads one JSON command on stdin and writes JSON lines on stdout:
 
     in:   {"op": "suspend" | "resume" | "state", "pid": 1234, "lock_timeout_ms": 5000}
     out:  {"step": "lock", "elapsed_s": 0.21, "ok": null, "error": "", "state": null}       a step begins
@@ -203,6 +207,17 @@ def execute(command: Command, emit: Emit, load=load_driver, clock=time.monotonic
     return outcome
 
 
+def handle(text: str, emit: Emit, load=load_driver) -> Outcome:
+    """Parse one command line and run it; a bad line is answered "rejected", its reason also on stderr."""
+    try:
+        command = Command.parse(text)
+    except ValueError as exc:
+        print(f"r3090d suspender: {exc}", file=sys.stderr, flush=True)
+        emit(Line(DONE, 0.0, ok=False, error=str(exc), outcome=Outcome.REJECTED))
+        return Outcome.REJECTED
+    return execute(command, emit, load)
+
+
 def _emit(line: Line) -> None:
     # The daemon may be gone: the sequence still runs to its end, so an engine is
     # never left locked because nobody was listening.
@@ -214,15 +229,7 @@ def _emit(line: Line) -> None:
 
 
 def main() -> int:
-    text = sys.stdin.readline()
-    try:
-        command = Command.parse(text)
-    except ValueError as exc:
-        print(f"r3090d suspender worker: {exc}", file=sys.stderr)
-        _emit(Line(DONE, 0.0, ok=False, error=str(exc), outcome=Outcome.REJECTED))
-        return EXIT_REJECTED
-    execute(command, _emit)
-    return 0
+    return EXIT_REJECTED if handle(sys.stdin.readline(), _emit) is Outcome.REJECTED else 0
 
 
 if __name__ == "__main__":

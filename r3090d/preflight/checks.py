@@ -66,6 +66,7 @@ class PreflightFacts:
     # The driver's checkpoint state of the running engine's GPU process (the suspend worker's
     # "state" op), e.g. "pid 123: RUNNING", or "unavailable: why"; None when not asked.
     checkpoint_state: str | None = None
+    ptrace_scope: int | None = None  # Yama's kernel.yama.ptrace_scope; None where Yama is not in the kernel
 
 
 # ------------------------------------------------------------------- helpers
@@ -112,7 +113,7 @@ def failures(results: list[CheckResult], *, permanent: bool | None = None) -> li
 
 # -------------------------------------------------------------------- checks
 
-GPU_CHECKS = ("driver", "card", "pcie_width", "pcie_gen", "persistence", "vram", "model_fit", "suspend")
+GPU_CHECKS = ("driver", "card", "pcie_width", "pcie_gen", "persistence", "vram", "model_fit", "ptrace_scope", "suspend")
 # r3090ctl suspend: the driver's process checkpoint calls came with 570 (CUDA 12.8).
 SUSPEND_MIN_DRIVER = Version("570")
 SUSPEND_MIN_CUDA = 12080
@@ -138,6 +139,7 @@ def run_checks(facts: PreflightFacts, cfg: Config) -> list[CheckResult]:
             check_persistence(gpu, cfg),
             check_vram(gpu, cfg, facts),
             check_model_fit(gpu, facts.host, cfg),
+            check_ptrace_scope(facts, cfg),
             check_suspend(gpu, facts, cfg),
         ]
     results += [
@@ -268,6 +270,31 @@ def check_vram(gpu: GpuSample, cfg: Config, facts: PreflightFacts) -> CheckResul
     return CheckResult("vram", Status.FAIL, measured, expected,
                        "something outside NVML's process list holds VRAM (a display server, another container); "
                        "free it or lower gpu_memory_utilization", permanent=False)  # fmt: skip
+
+
+PTRACE_SCOPE_REFUSED = {
+    2: ("even an ancestor is refused without CAP_SYS_PTRACE: r3090ctl suspend will fail",
+        "sysctl kernel.yama.ptrace_scope=1 (and persist it in /etc/sysctl.d/), or give r3090d CAP_SYS_PTRACE"),
+    3: ("every process is refused, even an ancestor with CAP_SYS_PTRACE: r3090ctl suspend will fail",
+        "set kernel.yama.ptrace_scope = 1 in /etc/sysctl.d/ and reboot: 3 cannot be lowered until then"),
+}  # fmt: skip
+
+
+def check_ptrace_scope(facts: PreflightFacts, cfg: Config) -> CheckResult:
+    """Whether Yama lets the checkpoint calls reach the engine. The driver applies ptrace's rules to them;
+    r3090d makes them from the engine's launcher, an ancestor of every engine process, which scope 1 allows."""
+    expected = "0 or 1 (r3090d calls from an ancestor of the engine)"
+    refusal = unavailable_here(cfg)
+    if refusal is not None:
+        return CheckResult("ptrace_scope", Status.SKIP, f"suspend unavailable: {refusal.text}", expected)
+    scope = facts.ptrace_scope
+    if scope is None:
+        return CheckResult("ptrace_scope", Status.SKIP, "no Yama in this kernel: ptrace's own rules apply", expected)
+    measured = f"kernel.yama.ptrace_scope = {scope}"
+    if scope in PTRACE_SCOPE_REFUSED:
+        why, hint = PTRACE_SCOPE_REFUSED[scope]
+        return CheckResult("ptrace_scope", Status.WARN, f"{measured}: {why}", expected, hint)
+    return CheckResult("ptrace_scope", Status.OK, measured, expected)
 
 
 def check_suspend(gpu: GpuSample, facts: PreflightFacts, cfg: Config) -> CheckResult:

@@ -40,6 +40,14 @@ def read_mem_available(root: Path | str = "/") -> int | None:
     return None
 
 
+def read_ptrace_scope(root: Path | str = "/") -> int | None:
+    """Yama's kernel.yama.ptrace_scope (0-3); None where the kernel has no Yama (or it cannot be read)."""
+    try:
+        return int((Path(root) / "proc" / "sys" / "kernel" / "yama" / "ptrace_scope").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def checkpoint_state(gpu: GpuSample, own_pids: Iterable[int]) -> str | None:
     """Ask the driver (through the suspend worker, never in this process) about the running engine's
     one GPU process: "pid N: RUNNING", or "unavailable: why". None when no engine of ours is on the GPU."""
@@ -104,6 +112,7 @@ def gather(
         own_pids=own_pids,
         pid_names=_process_names(gpu),
         checkpoint_state=checkpoint_state(gpu, own_pids) if cfg.gpu.required else None,
+        ptrace_scope=read_ptrace_scope(root),
     )
 
 

@@ -82,7 +82,7 @@ class Daemon:
         self.identity = DaemonIdentity(pid=os.getpid(), started_at=time.time(), version=__version__, host=socket.gethostname())
         self.state_dir = Path(cfg.daemon.state_dir)
         self.state_path = self.state_dir / STATE_FILE
-        self.suspend = SuspendService(cfg, self.state_dir, self.wake)
+        self.suspend = SuspendService(cfg, self.state_dir, self.wake, self.engine.channel)
         self.sampler = Sampler(cfg, self.engine, gpu_monitor, self.wake, self.suspend)
         self.last_snap: Snapshot | None = None  # what suspend's immediate answer is judged on
         self.last_restart_record: Path | None = None

@@ -1,7 +1,7 @@
 """Suspend and resume, the daemon's side: the worker, the record that outlives the daemon, the state section's facts.
 
 decide() (r3090d.core.suspension) says what to do; this module does it, off the
-loop: each driver operation runs in the Suspender's worker process, and the loop
+loop: each driver operation runs in the engine's launcher (its ancestor), and the loop
 reads its progress as a frozen SuspendSample every tick, so it keeps writing
 state and feeding systemd's watchdog however long a checkpoint takes.
 
@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from r3090d.core.snapshot import ChildSample, GpuSample, Snapshot
 from r3090d.core.suspend_types import Op, SuspendSample
 from r3090d.core.suspension import HOW_TO_RESUME, Result, Stage, SuspendResult
 from r3090d.core.vocabulary import SUSPEND_PHASES
+from r3090d.effectors.launcher import LauncherChannel
 from r3090d.effectors.suspender import Suspender
 from r3090d.effectors.suspender_worker import Command
 from r3090d.service.state import read_json
@@ -66,13 +68,14 @@ class SuspendService:
     cfg: Config
     state_dir: Path
     wake: threading.Event
+    launcher: Callable[[], LauncherChannel | None]  # the running engine's launcher, which makes the driver calls
     suspender: Suspender = field(init=False)
     _queued: Command | None = field(default=None, init=False)
     _logged_stage: Stage | None = field(default=None, init=False)
     _logged_last: SuspendResult | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.suspender = Suspender(deadline_s=self.cfg.suspend.operation_timeout, wake=self.wake)
+        self.suspender = Suspender(deadline_s=self.cfg.suspend.operation_timeout, wake=self.wake, launcher=self.launcher)
 
     @property
     def path(self) -> Path:

@@ -303,10 +303,12 @@ def test_as_pid1_engine_crashes_leave_no_zombie_and_each_exit_keeps_its_real_sta
     st = d.wait_ready(timeout=60)
     assert st["daemon"]["pid"] == 1, "the daemon must be PID 1 of its namespace"
     for n in range(CRASHES):
-        main_ns = st["engine"]["pid"]
-        main = host_pid(d.pid, main_ns)
-        assert main is not None, f"engine pid {main_ns} not found in the namespace"
-        core = [pid for pid, (_, ppid, comm) in descendants(d.pid).items() if ppid == main and "EngineCore" in comm]
+        main_ns = st["engine"]["pid"]  # the engine's launcher, the API server's parent
+        launcher = host_pid(d.pid, main_ns)
+        assert launcher is not None, f"engine pid {main_ns} not found in the namespace"
+        tree = descendants(d.pid).items()
+        main = next(pid for pid, (_, ppid, _) in tree if ppid == launcher)
+        core = [pid for pid, (_, ppid, comm) in tree if ppid == main and "EngineCore" in comm]
         assert core, f"crash {n}: the engine should run an EngineCore child, to be orphaned"
         os.kill(main, signal.SIGKILL)  # the API server dies; its EngineCore and Worker go to PID 1
         st = d.wait_ready(timeout=60, generation_pid=main_ns)

@@ -9,9 +9,10 @@ import signal
 import httpx
 import pytest
 
+from r3090d import procstat
 from tests.component.test_daemon_supervision import run_daemon  # noqa: F401  (fixture)
 from tests.ctl_harness import ctl
-from tests.daemon_harness import engine_config, group_members
+from tests.daemon_harness import api_server_pid, engine_config, group_members
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
@@ -28,9 +29,9 @@ def _fault(n: int, st: dict) -> None:
     if kind == 0:
         httpx.post(f"{url}/fake/control", json={"exit": 0}, timeout=5, trust_env=False)
     elif kind == 1:
-        os.kill(main, signal.SIGKILL)
+        os.kill(api_server_pid(main), signal.SIGKILL)
     elif kind == 2:
-        core = [p for p in group_members(main) if p != main]
+        core = [p for p in group_members(main) if (proc := procstat.read(p)) is not None and proc.comm == "fake-EngineCore"]
         os.kill(core[0], signal.SIGKILL)
     else:
         httpx.post(f"{url}/fake/control", json={"health": "503"}, timeout=5, trust_env=False)
@@ -148,7 +149,7 @@ def test_a_killed_daemons_successor_counts_on_from_its_recent_restarts(run_daemo
     for _ in range(4):
         wait_until(lambda: _ready_for(first) > 1.0, 30, what="min_uptime passed")
         old = st["engine"]["pid"]
-        os.kill(old, signal.SIGKILL)
+        os.kill(api_server_pid(old), signal.SIGKILL)
         st = first.wait_ready(timeout=30, generation_pid=old)
     st = first.wait_for(lambda s: s if "restart_storm" in s["alerts"]["firing"] else None, 10, "restart_storm firing")
     assert st["restarts"]["recent"] == 4, st["restarts"]

@@ -21,7 +21,7 @@ from r3090d.core.xid import ResetHold
 from r3090d.service import resethold
 from tests.component.test_gpu_idle import streams  # endless streams: requests keep running
 from tests.ctl_harness import ctl, ctl_json
-from tests.daemon_harness import bind_unix_dgram, group_members
+from tests.daemon_harness import api_server_pid, bind_unix_dgram, group_members
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
@@ -79,7 +79,7 @@ def test_xid_43_during_the_fast_stop_of_a_frozen_engine_is_restarted(healing):
     d, card = healing
     st = d.state()
     pid = st["engine"]["pid"]
-    os.kill(pid, signal.SIGSTOP)  # /health times out: hung, a fast stop
+    os.kill(api_server_pid(pid), signal.SIGSTOP)  # /health times out: hung, a fast stop
     d.proc.wait_for(lambda s: s["engine"]["phase"] != "ready", 60, "the hang found")
     card(processes=[], memory_used_mib=0, xids=[43, 45])
     st = d.wait_ready(timeout=60, old_pid=pid)

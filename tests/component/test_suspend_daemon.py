@@ -415,19 +415,64 @@ def test_a_daemon_restart_while_suspended_keeps_the_engine_down_until_resume(rig
     st = r.d.state()
     assert st["suspend"]["last"]["result"] == "started_cold" and not record.exists()
 
-    # 2. The daemon killed outright: the engine it left behind is killed by the next one, which keeps it down.
+    # 2. The daemon killed outright: its engine's launcher takes the whole tree with it.
     api = st["engine"]["pid"]
     assert r.ctl("suspend", "--wait").returncode == 0
+    tree = r.d.state()["engine"]["tree_pids"]
+    assert api in tree and core in tree and len(tree) >= 4  # launcher, API server, EngineCore, worker
     r.d.proc.proc.kill()
     r.d.proc.proc.wait()
-    assert psutil.pid_exists(api) and proc_state(core) == "T"
-    r.start()
-    wait_until(lambda: not psutil.pid_exists(api) or psutil.Process(api).status() == psutil.STATUS_ZOMBIE, BOUND, what="the old engine killed")
+    wait_until(lambda: all(gone(pid) for pid in tree), BOUND, what="the engine to go with its daemon")
+
+    # 3. An engine left behind all the same (its launcher could not act) is killed by the next daemon, which keeps it down.
+    left = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        write_atomically(record, {**json.loads(record.read_text()), "engine_pid": left.pid, "engine_started": procstat.read(left.pid).start_ticks})
+        r.start()
+        assert left.wait(BOUND) == -signal.SIGKILL
+    finally:
+        left.kill()
+        left.wait()
     assert "the suspended engine of the previous daemon" in r.d.log()
     st = r.d.proc.wait_for(lambda s: s if s["daemon"]["pid"] == r.d.pid and s["engine"]["phase"] == "suspended" else None, BOUND, "suspended")
     assert st["suspend"]["cold"] is True
     assert r.ctl("resume", "--wait").returncode == 0
     r.ready(old_pid=api)
+
+
+def gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie waiting for its parent."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def ancestors(pid: int) -> list[int]:
+    """The ppid chain of `pid` from /proc, its parent first, up to init."""
+    chain = []
+    while (st := procstat.read(pid)) is not None and st.ppid > 0:
+        chain.append(st.ppid)
+        pid = st.ppid
+    return chain
+
+
+def test_the_driver_is_called_by_an_ancestor_of_the_engine_core(rig):
+    """Under Yama's ptrace_scope = 1 the driver refuses any caller but an ancestor of the process it acts on."""
+    r = rig()
+    core = r.ready()
+    launcher = r.d.state()["engine"]["pid"]
+    assert r.ctl("suspend", "--wait").returncode == 0
+    tree = subprocess.run(["ps", "-ww", "-o", "pid,ppid,pgid,sid,stat,args", "--forest", "-s", str(launcher)], capture_output=True, text=True)
+    print(f"daemon {r.d.pid}; suspended engine's session:\n{tree.stdout}")
+    assert r.ctl("resume", "--wait").returncode == 0
+    calls = [json.loads(line) for line in r.calls.read_text().splitlines()]
+    assert [(c["step"], c["pid"]) for c in calls] == [("lock", core), ("checkpoint", core), ("restore", core), ("unlock", core)]
+    chain = ancestors(core)
+    api_server = chain[0]
+    assert api_server in r.d.state()["engine"]["tree_pids"] and chain[1] == launcher  # the core's parent is the API server, its parent the launcher
+    assert r.d.pid in chain  # the daemon above the launcher
+    assert {c["caller"] for c in calls} == {launcher}  # the driver was called by the launcher: an ancestor, never the daemon
 
 
 def test_a_request_frozen_across_three_stall_seconds_finishes_after_resume(rig):

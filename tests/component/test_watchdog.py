@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.daemon_harness import DaemonProcess, engine_config, group_members, write_config
+from tests.daemon_harness import DaemonProcess, api_server_pid, engine_config, group_members, write_config
 from tests.fakevllm.harness import FakeVllm
 from tests.waiting import wait_until
 
@@ -103,7 +103,7 @@ def test_sigstop_of_the_api_server_is_a_hang_restart_within_t_plus_a_poll(run_da
     first = d.wait_ready()
     pid = first["engine"]["pid"]
     t_stop = time.time()
-    os.kill(pid, signal.SIGSTOP)
+    os.kill(api_server_pid(pid), signal.SIGSTOP)
     st = d.wait_for(lambda s: s["restarts"]["total"] >= 1 and s, 30, "a hang restart")
     assert st["restarts"]["last_reason"] == "hung"
     detect = st["restarts"]["last_at"] - t_stop

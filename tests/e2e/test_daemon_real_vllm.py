@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -12,7 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.daemon_harness import DaemonProcess, group_members
+from tests.daemon_harness import DaemonProcess, api_server_pid, group_members
 from tests.e2e.real_vllm import CPU_EXTRA_ARGS, ENGINE_BOUND_ARGS, TINY_MODEL_NAME, engine_tree
 from tests.waiting import wait_until
 
@@ -63,8 +64,11 @@ def test_supervises_real_vllm_orphans_frozen_core_and_drained_stop(vllm_lock, vl
         main = st["engine"]["pid"]
 
         # 1. SIGKILL of the API server orphans EngineCore and Worker; both are gone before the new vLLM starts.
-        tree = engine_tree(main)
+        # The engine's pid is its launcher's; the API server is the launcher's one child.
+        api = api_server_pid(main)
+        tree = engine_tree(api)
         core, worker = tree["VLLM::EngineCore"], tree["VLLM::Worker"]
+        print(subprocess.run(["ps", "-ww", "-o", "pid,ppid,pgid,sid,stat,args", "--forest", "-s", str(main)], capture_output=True, text=True).stdout)
         assert psutil.Process(core).is_running() and psutil.Process(worker).is_running()
         daemon = psutil.Process(d.pid)
         seen = {"old_last_alive": None, "new_first_seen": None}
@@ -92,9 +96,10 @@ def test_supervises_real_vllm_orphans_frozen_core_and_drained_stop(vllm_lock, vl
         # The kill waits for one whole pass of the watcher: the daemon clears the orphans within
         # tens of ms, less than a first pass can take on a loaded machine.
         assert watching.wait(10) and seen["old_last_alive"] is not None, "the watcher never saw EngineCore and Worker alive"
-        os.kill(main, signal.SIGKILL)
+        os.kill(api, signal.SIGKILL)
         time.sleep(0.05)
         st = d.wait_ready(timeout=READY_TIMEOUT, generation_pid=main)
+        assert st["restarts"]["last_reason"] == "exited" and "killed by SIGKILL" in d.log()  # relayed by the launcher
         stop.set()
         watcher.join()
         assert seen["new_first_seen"] is not None

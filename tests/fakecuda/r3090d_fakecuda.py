@@ -2,7 +2,7 @@
 
 Selected by r3090d.effectors.checkpoint.load_driver() when
 $R3090D_FAKE_CUDA_CHECKPOINT names a JSON control file; put this directory on
-PYTHONPATH of the process that calls it (the suspender's worker). It pairs with
+PYTHONPATH of the process that calls it (the engine's launcher, or the suspender's worker). It pairs with
 tests/fakenvml: the card it edits is the one $R3090D_FAKE_NVML names.
 
 What each call does to the process and the card, so a test can see it:
@@ -23,9 +23,11 @@ The control file, re-read on every call (all keys optional):
      "log": "/path/calls.jsonl",       default: <control>.calls.jsonl
      "states": "/path/states.json"}    default: <control>.states.json
 Every call (steps lock, checkpoint, restore, unlock, state) appends
-{"step": ..., "pid": ..., "at": time.time()} to the log as it begins, so tests
-can assert the order of calls per pid. The per-pid state lives in the states
-file because each operation runs in a new worker process.
+{"step": ..., "pid": ..., "caller": ..., "at": time.time()} to the log as it
+begins, so tests can assert the order of calls per pid, and which process made
+them ("caller": its pid; the real driver refuses a caller that ptrace's rules
+would refuse). The per-pid state lives in the states file because operations
+run in different processes (the engine's launcher, or a worker each).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class FakeDriver:
         conf = self._conf()
         log, _ = self._paths(conf)
         with open(log, "a") as fh:
-            fh.write(json.dumps({"step": str(step), "pid": pid, "at": time.time()}) + "\n")
+            fh.write(json.dumps({"step": str(step), "pid": pid, "caller": os.getpid(), "at": time.time()}) + "\n")
         delay = conf.get("delay_s", {}).get(str(step), 0)
         if delay:
             time.sleep(delay)

@@ -45,7 +45,7 @@ HOST = HostFacts(
     port=PortFacts("127.0.0.1", 8000, True, "bindable"),
     model=QWEN_DIR,
 )
-FACTS = PreflightFacts(gpu=RTX3090, host=HOST, engine_version="0.32.0")
+FACTS = PreflightFacts(gpu=RTX3090, host=HOST, engine_version="0.32.0", ptrace_scope=1)  # Yama as Ubuntu sets it
 
 
 def cfg(**sections) -> config.Config:

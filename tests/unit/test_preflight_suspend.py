@@ -9,7 +9,15 @@ import pytest
 from r3090d import config
 from r3090d.core.snapshot import GpuProcess, GpuSample, GpuStatus, HostFacts
 from r3090d.preflight import gather
-from r3090d.preflight.checks import GPU_CHECKS, PreflightFacts, Status, check_suspend, exit_code, run_checks
+from r3090d.preflight.checks import (
+    GPU_CHECKS,
+    PreflightFacts,
+    Status,
+    check_ptrace_scope,
+    check_suspend,
+    exit_code,
+    run_checks,
+)
 from r3090d.units import GIB
 
 CARD = GpuSample(GpuStatus.OK, driver_version="580.95.05", cuda_driver_version=13000, memory_total=24 * GIB, memory_free=23 * GIB,
@@ -69,3 +77,33 @@ def test_mem_available_is_read_from_meminfo(tmp_path):
 def test_no_engine_of_ours_on_the_gpu_asks_the_driver_nothing():
     assert gather.checkpoint_state(dataclasses.replace(CARD, processes=(GpuProcess(9, GIB),)), frozenset({5})) is None
     assert gather.checkpoint_state(CARD, frozenset()) is None
+
+
+@pytest.mark.parametrize(
+    ("scope", "c", "status", "text"),
+    [
+        (0, cfg(), Status.OK, "kernel.yama.ptrace_scope = 0"),
+        # The launcher, which makes the calls, is an ancestor of every engine process: what scope 1 allows.
+        (1, cfg(), Status.OK, "kernel.yama.ptrace_scope = 1"),
+        (2, cfg(), Status.WARN, "kernel.yama.ptrace_scope = 2: even an ancestor is refused without CAP_SYS_PTRACE: r3090ctl suspend will fail"),
+        (3, cfg(), Status.WARN, "kernel.yama.ptrace_scope = 3: every process is refused"),
+        (None, cfg(), Status.SKIP, "no Yama in this kernel"),
+        (3, cfg(extra_args=["--tensor-parallel-size", "2"]), Status.SKIP, "suspend unavailable: the engine runs on 2 GPUs"),
+    ],
+    ids=["0", "1", "2", "3", "no-yama", "suspend-unavailable"],
+)  # fmt: skip
+def test_ptrace_scope_check(scope, c, status, text):
+    r = check_ptrace_scope(dataclasses.replace(facts(), ptrace_scope=scope), c)
+    assert r.name == "ptrace_scope" and r.status is status and text in r.measured, r
+    assert "\n" not in r.measured
+    assert (r.hint != "") is (status is Status.WARN)
+
+
+def test_ptrace_scope_is_read_from_proc(tmp_path):
+    yama = tmp_path / "proc" / "sys" / "kernel" / "yama"
+    yama.mkdir(parents=True)
+    (yama / "ptrace_scope").write_text("1\n")
+    assert gather.read_ptrace_scope(tmp_path) == 1
+    (yama / "ptrace_scope").write_text("2\n")
+    assert gather.read_ptrace_scope(tmp_path) == 2
+    assert gather.read_ptrace_scope(tmp_path / "nowhere") is None  # no Yama
