@@ -46,6 +46,7 @@ import benchlib  # noqa: E402
 from benchlib import Daemon, Streams, fmt, median, say  # noqa: E402
 
 from r3090d.config import WatchdogConfig  # noqa: E402
+from tests.daemon_harness import api_server_pid  # noqa: E402
 
 TARGET_S = 15.0
 BUSY_STREAMS = 4
@@ -109,7 +110,7 @@ def run_trial(engine: Engine, sc: Scenario, offset: float, tmp: Path) -> Trial:
     streams = None
     try:
         st = d.wait_ready(engine.ready_timeout)
-        api_pid = st["engine"]["pid"]
+        api_pid = api_server_pid(st["engine"]["pid"])  # the engine's pid is its launcher's
         wd = benchlib.watchdog_of(config)
         if sc.idle:
             # A probe that answered anchors the offset in the probe cycle.

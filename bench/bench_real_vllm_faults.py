@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.daemon_harness import DaemonProcess  # noqa: E402
+from tests.daemon_harness import DaemonProcess, api_server_pid  # noqa: E402
 from tests.e2e.real_vllm import engine_python_path, engine_tree, write_vllm_config  # noqa: E402
 
 MIN_UPTIME = 10.0
@@ -30,10 +30,10 @@ READY_TIMEOUT = 420.0
 
 
 FAULTS = [
-    ("SIGKILL of the API server", lambda main: os.kill(main, signal.SIGKILL)),
+    ("SIGKILL of the API server", lambda main: os.kill(api_server_pid(main), signal.SIGKILL)),
     ("SIGKILL of EngineCore", lambda main: os.kill(engine_tree(main)["VLLM::EngineCore"], signal.SIGKILL)),
     ("SIGSTOP of EngineCore (frozen, idle)", lambda main: os.kill(engine_tree(main)["VLLM::EngineCore"], signal.SIGSTOP)),
-    ("SIGSTOP of the API server (hung)", lambda main: os.kill(main, signal.SIGSTOP)),
+    ("SIGSTOP of the API server (hung)", lambda main: os.kill(api_server_pid(main), signal.SIGSTOP)),
     ("SIGKILL of the Worker", lambda main: os.kill(engine_tree(main)["VLLM::Worker"], signal.SIGKILL)),
 ]
 

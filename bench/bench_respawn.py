@@ -19,7 +19,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.daemon_harness import DaemonProcess, engine_config, write_config  # noqa: E402
+from tests.daemon_harness import DaemonProcess, api_server_pid, engine_config, write_config  # noqa: E402
 from tests.fakevllm.harness import make_engine_python  # noqa: E402
 
 TRIALS = 20
@@ -28,7 +28,7 @@ TRIALS = 20
 def time_respawn(daemon: psutil.Process, pid: int, timeout: float = 30.0) -> tuple[float, int]:
     """SIGKILL the engine's API server `pid`; seconds until the daemon's new engine process exists, and its pid."""
     t0 = time.perf_counter()
-    os.kill(pid, signal.SIGKILL)
+    os.kill(api_server_pid(pid), signal.SIGKILL)  # `pid` is the engine's launcher, the API server its child
     while time.perf_counter() - t0 < timeout:
         for child in daemon.children():
             if child.pid != pid and child.status() != psutil.STATUS_ZOMBIE:

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import benchlib  # noqa: E402
 from bench.benchlib import Daemon, fmt, say, table  # noqa: E402
+from tests.daemon_harness import api_server_pid  # noqa: E402
 from tests.e2e.real_vllm import engine_python_path, engine_tree  # noqa: E402
 
 EX_UNAVAILABLE = 69
@@ -73,10 +74,10 @@ def _kill_worker(main: int) -> None:
 
 
 FAULTS = [
-    Fault("SIGSTOP of the API server", lambda main: os.kill(main, signal.SIGSTOP)),
+    Fault("SIGSTOP of the API server", lambda main: os.kill(api_server_pid(main), signal.SIGSTOP)),
     Fault("SIGSTOP of EngineCore", lambda main: os.kill(benchlib.engine_core_pid(main), signal.SIGSTOP)),
     Fault("SIGKILL of a worker", _kill_worker),
-    Fault("SIGKILL of the API server", lambda main: os.kill(main, signal.SIGKILL)),
+    Fault("SIGKILL of the API server", lambda main: os.kill(api_server_pid(main), signal.SIGKILL)),
 ]
 
 

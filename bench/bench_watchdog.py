@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.daemon_harness import DaemonProcess, engine_config, write_config  # noqa: E402
+from tests.daemon_harness import DaemonProcess, api_server_pid, engine_config, write_config  # noqa: E402
 from tests.fakevllm.harness import FakeVllm, make_engine_python  # noqa: E402
 
 POLL = 1.0
@@ -48,7 +48,7 @@ def fault_kv(d, fake, pid):
 
 
 def fault_hang(d, fake, pid):
-    os.kill(pid, signal.SIGSTOP)
+    os.kill(api_server_pid(pid), signal.SIGSTOP)  # `pid` is the engine's launcher
 
 
 def fault_frozen(d, fake, pid):
