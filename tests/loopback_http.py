@@ -30,13 +30,19 @@ class QuietHandler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
+class _Server(ThreadingHTTPServer):
+    # socketserver's listen backlog is 5: a client that opens a burst of connections at once
+    # (an async load generator) can then be reset on a loaded machine before it is accepted.
+    request_queue_size = 128
+
+
 @contextmanager
 def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[ThreadingHTTPServer]:
     """Serves `handler` on a free port of 127.0.0.1 until the block ends; the server.
 
     Shutting down and closing a server the block already stopped is harmless.
     """
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd = _Server(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
