@@ -69,8 +69,9 @@ from r3090d.core.xid import HOLDING_ACTIONS, RESET_PROCEDURE, ResetHold, XidClas
 VRAM_RELEASE_WAIT_S = 30.0
 # How long a start after a death waits for an NVML reading taken after it, at most.
 FRESH_SAMPLE_WAIT_S = 10.0
-# How far the fast freeze detectors' windows may widen.
+# How far the fast freeze detectors' windows may widen, and the config key of each one's window.
 MAX_DETECTOR_SCALE = 8
+DETECTOR_WINDOW_KEYS = {RestartReason.GPU_IDLE: "gpu_idle_stall_seconds", RestartReason.STALLED: "stall_seconds"}
 
 
 @dataclass(frozen=True)
@@ -265,25 +266,33 @@ def _hold_conditions(st: PolicyState, cfg: Config) -> list[rules.Condition]:
 # ------------------------------------------------------------------ the start gate
 
 
-def start_gate(snap: Snapshot, st: PolicyState, cfg: Config, now: float, *, automatic: bool) -> Phase | None:
-    """None when an engine may start now; else the phase to wait in.
+@dataclass(frozen=True)
+class Gate:
+    """Why a start must wait: the phase to wait in, and (WAITING_FOR_GPU) the room it waits for."""
+
+    phase: Phase
+    room: Room | None = None
+
+
+def start_gate(snap: Snapshot, st: PolicyState, cfg: Config, now: float, *, automatic: bool) -> Gate | None:
+    """None when an engine may start now; else where to wait.
 
     Every start passes here: the first, a restart, the start after a give-up (by the
     operator or by give_up_retry), and the cold start of a resumed suspension.
     """
     g = snap.gpu
     if st.reset_hold is not None:
-        return Phase.RESET_NEEDED
+        return Gate(Phase.RESET_NEEDED)
     if st.maintenance or g.lost:
         # Maintenance pauses remediation; a lost GPU would only crash the new engine.
-        return Phase.BACKOFF
+        return Gate(Phase.BACKOFF)
     if not cfg.gpu.required or not automatic:
         return None
     if _reading_predates_death(st, snap) and now - st.death_at < FRESH_SAMPLE_WAIT_S:
-        return st.phase  # an NVML reading after the death first (asked for below)
+        return Gate(st.phase)  # an NVML reading after the death first (asked for by _start)
     room = engine_room(g, cfg, snap.child.tree_pids, snap.process_names)
     if room is not None and not room.fits and room.holders:
-        return Phase.WAITING_FOR_GPU
+        return Gate(Phase.WAITING_FOR_GPU, room)
     return None
 
 
@@ -295,13 +304,12 @@ def _reading_predates_death(st: PolicyState, snap: Snapshot) -> bool:
 def _start(snap, st, cfg, now, actions, reason: str, *, automatic: bool, **changes) -> PolicyState:
     """Start an engine through the gate, or wait where the gate says."""
     st = replace(st, **changes) if changes else st
-    wait = start_gate(snap, st, cfg, now, automatic=automatic)
-    if wait is not None:
+    gate = start_gate(snap, st, cfg, now, automatic=automatic)
+    if gate is not None:
         if _reading_predates_death(st, snap):
             actions.append(RequestGpuSample())
-        room = engine_room(snap.gpu, cfg, snap.child.tree_pids, snap.process_names) if wait is Phase.WAITING_FOR_GPU else None
-        st = replace(st, gpu_wait=room, start_pending=reason)
-        return st if st.phase is wait else _to(st, wait, now)
+        st = replace(st, gpu_wait=gate.room, start_pending=reason)
+        return st if st.phase is gate.phase else _to(st, gate.phase, now)
     actions.append(StartEngine(reason=reason))
     return _to(
         st, Phase.STARTING, now,
@@ -311,9 +319,13 @@ def _start(snap, st, cfg, now, actions, reason: str, *, automatic: bool, **chang
 
 
 def _fresh_watch(st: PolicyState, ready_at: float | None = None) -> rules.WatchState:
-    scale = dict(st.detector_scale)
-    return rules.WatchState(ready_at=ready_at, gpu_idle_scale=scale.get(RestartReason.GPU_IDLE, 1),
-                            stall_scale=scale.get(RestartReason.STALLED, 1))  # fmt: skip
+    return _scaled(rules.WatchState(ready_at=ready_at), st.detector_scale)
+
+
+def _scaled(watch: rules.WatchState, detector_scale: tuple[tuple[RestartReason, int], ...]) -> rules.WatchState:
+    """The watch with the fast detectors' windows as the policy has widened them (absent: 1x)."""
+    scale = dict(detector_scale)
+    return replace(watch, gpu_idle_scale=scale.get(RestartReason.GPU_IDLE, 1), stall_scale=scale.get(RestartReason.STALLED, 1))
 
 
 # ------------------------------------------------------------------ the lifecycle
@@ -382,7 +394,7 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
         return st
 
     # READY
-    st = _track_success(snap, st, cfg, now, events)
+    st = _track_success(snap, st, cfg, now)
     watch, verdict = rules.assess(snap, st.watch, cfg, now)
     st = replace(st, watch=watch)
     if snap.restart_requested is not None:
@@ -417,7 +429,7 @@ def served_since_ready(snap: Snapshot, st: PolicyState) -> tuple[float | None, b
     return st.served_base, net > st.served_base
 
 
-def _track_success(snap: Snapshot, st: PolicyState, cfg: Config, now: float, events: list) -> PolicyState:
+def _track_success(snap: Snapshot, st: PolicyState, cfg: Config, now: float) -> PolicyState:
     """READY: a start succeeds once the engine served or was ready for min_uptime; widened detectors narrow after min_uptime."""
     if not st.succeeded:
         base, served = served_since_ready(snap, st)
@@ -426,7 +438,7 @@ def _track_success(snap: Snapshot, st: PolicyState, cfg: Config, now: float, eve
             st = replace(st, succeeded=True, start_failures=0, same_cause_run=0, backoff_level=0, retrying=False,
                          retry_at=None, retry_attempts=0, gave_up_unresolved=False, give_up_reason=None)  # fmt: skip
     if st.detector_scale and _healthy_for(st, cfg, now):
-        st = replace(st, detector_scale=(), watch=replace(st.watch, gpu_idle_scale=1, stall_scale=1))
+        st = replace(st, detector_scale=(), watch=_scaled(st.watch, ()))
     return st
 
 
@@ -468,43 +480,41 @@ def _fail(snap, st, cfg, now, actions, events, reason, detail, *, drain) -> Poli
     st = _widen_detector(st, reason)
     if st.succeeded or _healthy_for(st, cfg, now):
         # A recoverable failure: restart at once, for ever; the same certain cause again and again backs off, capped.
-        run = st.recovered_same_cause + 1 if certain and cause == st.last_root_cause and st.recovered_same_cause else (1 if certain else 0)
+        run = _same_cause(st.recovered_same_cause, st, cause, certain)
         st = replace(st, start_failures=0, same_cause_run=0, last_root_cause=cause, recovered_same_cause=run)
         return _restart(snap, st, cfg, now, actions, events, reason, detail, drain=drain, counts=True, root_cause=cause, level=max(0, run - 1))
+    cause_text = f"; root cause: {cause}" if cause else ""
     if st.retrying:
-        return _retry_failed(snap, st, cfg, now, actions, reason, detail, cause)
+        why = f"automatic retry {st.retry_attempts} failed ({reason}: {detail}){cause_text}"
+        return _give_up(snap, st, cfg, now, actions, reason, detail, cause, why, retrying=False, last_root_cause=cause)
     level = st.start_failures  # backoff before this restart: one step per earlier start failure in a row
     failures = st.start_failures + 1
-    # Only a line that says why (an exception, an ERROR) can make two failures "the same cause".
-    same = st.same_cause_run + 1 if certain and cause == st.last_root_cause and st.start_failures else (1 if certain else 0)
+    same = _same_cause(st.same_cause_run if st.start_failures else 0, st, cause, certain)
     st = replace(st, start_failures=failures, same_cause_run=same, last_root_cause=cause, recovered_same_cause=0)
     wd = cfg.watchdog
     if failures >= wd.start_failures or same >= wd.same_cause_failures:
-        why = (
-            f"{same} start failures in a row with the same cause"
-            if same >= wd.same_cause_failures
-            else f"{failures} start failures in a row"
-        )
-        why += f" (last: {reason}: {detail})"
-        if cause:
-            why += f"; root cause: {cause}"
-        if snap.child.alive or snap.child.tree_pids:
-            actions.append(StopEngine(drain=False, reason="gave up"))
-        actions.append(RecordRestart(reason=reason, detail=detail, root_cause=cause))
-        retry_at = now + wd.give_up_retry if wd.give_up_retry > 0 and not cfg.daemon.exit_on_give_up else None
-        return _to(st, Phase.GIVEN_UP, now, give_up_reason=why, gave_up_unresolved=True, restart_reason=reason, ready_since=None,
-                   retry_at=retry_at, retry_attempts=0, start_pending=None)  # fmt: skip
+        count = f"{same} start failures in a row with the same cause" if same >= wd.same_cause_failures else f"{failures} start failures in a row"
+        return _give_up(snap, st, cfg, now, actions, reason, detail, cause, f"{count} (last: {reason}: {detail}){cause_text}", retry_attempts=0)
     return _restart(snap, st, cfg, now, actions, events, reason, detail, drain=drain, counts=True, root_cause=cause, level=level)
 
 
-def _retry_failed(snap, st, cfg, now, actions, reason, detail, cause) -> PolicyState:
-    """An automatic attempt after a give-up failed: given up again, with the new cause, until the next attempt."""
+def _same_cause(run: int, st: PolicyState, cause: str | None, certain: bool) -> int:
+    """A run of failures with one root cause, `run` long before this one. Only a line that says why
+    (an exception, an ERROR, a signal) can make two failures "the same cause"."""
+    if not certain:
+        return 0
+    return run + 1 if run and cause == st.last_root_cause else 1
+
+
+def _give_up(snap, st, cfg, now, actions, reason, detail, cause, why: str, **changes) -> PolicyState:
+    """GIVEN_UP: stop what is left of the engine, record the failure; the next automatic attempt in give_up_retry."""
     if snap.child.alive or snap.child.tree_pids:
-        actions.append(StopEngine(drain=False, reason="give-up retry failed"))
+        actions.append(StopEngine(drain=False, reason="gave up"))
     actions.append(RecordRestart(reason=reason, detail=detail, root_cause=cause))
-    why = f"automatic retry {st.retry_attempts} failed ({reason}: {detail})" + (f"; root cause: {cause}" if cause else "")
+    wd = cfg.watchdog
+    retry_at = now + wd.give_up_retry if wd.give_up_retry > 0 and not cfg.daemon.exit_on_give_up else None
     return _to(st, Phase.GIVEN_UP, now, give_up_reason=why, gave_up_unresolved=True, restart_reason=reason, ready_since=None,
-               last_root_cause=cause, retrying=False, retry_at=now + cfg.watchdog.give_up_retry, start_pending=None)  # fmt: skip
+               retry_at=retry_at, start_pending=None, **changes)  # fmt: skip
 
 
 def _widen_detector(st: PolicyState, reason: str) -> PolicyState:
@@ -531,10 +541,6 @@ def _widened_condition(st: PolicyState, cfg: Config) -> rules.Condition:
     else:
         text = "the fast freeze detectors are back to their configured windows"
     return rules.Condition("detector_widened", bool(parts), Severity.WARNING, text, immediate=True)
-
-
-# The config key of each fast detector's window.
-DETECTOR_WINDOW_KEYS = {RestartReason.GPU_IDLE: "gpu_idle_stall_seconds", RestartReason.STALLED: "stall_seconds"}
 
 
 def _restart(snap, st, cfg, now, actions, events, reason, detail, *, drain, counts, root_cause=None, level=0) -> PolicyState:
