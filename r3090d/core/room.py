@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from r3090d.config.schema import Config
-from r3090d.core.snapshot import GpuSample
+from r3090d.core.snapshot import GpuProcess, GpuSample
 from r3090d.engineflags import VLLM_DEFAULT_GPU_MEMORY_UTILIZATION, flag_value
 from r3090d.units import GIB, MIB
 
@@ -31,6 +31,23 @@ def gpu_memory_utilization(cfg: Config) -> float:
         return float(raw) if raw is not None else VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
     except ValueError:
         return VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
+
+
+def unique_processes(procs) -> list[GpuProcess]:
+    """One entry per pid (NVML may list a process as both compute and graphics): the larger figure."""
+    best: dict[int, GpuProcess] = {}
+    for p in procs:
+        seen = best.get(p.pid)
+        if seen is None or (p.used_bytes or 0) > (seen.used_bytes or 0):
+            best[p.pid] = p
+    return list(best.values())
+
+
+def others_on_card(gpu: GpuSample, own_pids) -> list[GpuProcess]:
+    """The card's processes outside `own_pids` (compute and graphics, one entry per pid), largest first."""
+    own = set(own_pids)
+    procs = unique_processes((gpu.processes or ()) + (gpu.graphics_processes or ()))
+    return sorted((p for p in procs if p.pid not in own), key=lambda p: (-(p.used_bytes or 0), p.pid))
 
 
 @dataclass(frozen=True)
@@ -64,11 +81,6 @@ def engine_room(gpu: GpuSample, cfg: Config, own_pids: tuple[int, ...] = (),
     if not gpu.usable or gpu.memory_total is None or gpu.memory_free is None:
         return None
     need = int(gpu_memory_utilization(cfg) * gpu.memory_total) + ENGINE_CONTEXT_MARGIN
-    by_pid: dict[int, int | None] = {}
-    for p in (gpu.processes or ()) + (gpu.graphics_processes or ()):
-        if p.pid not in own_pids:
-            by_pid[p.pid] = max(by_pid.get(p.pid) or 0, p.used_bytes or 0) if p.used_bytes is not None else by_pid.get(p.pid)
     known = dict(names)
-    holders = tuple(sorted((Holder(pid, known.get(pid), used) for pid, used in by_pid.items()),
-                           key=lambda h: (-(h.used_bytes or 0), h.pid)))  # fmt: skip
+    holders = tuple(Holder(p.pid, known.get(p.pid), p.used_bytes) for p in others_on_card(gpu, own_pids))
     return Room(fits=gpu.memory_free >= need, need=need, free=gpu.memory_free, holders=holders)

@@ -53,8 +53,9 @@ from r3090d.core.actions import (
     SuspendEngine,
     SuspendRecord,
 )
+from r3090d.core.room import others_on_card, unique_processes
 from r3090d.core.rules import Condition
-from r3090d.core.snapshot import GpuProcess, HealthStatus, Snapshot
+from r3090d.core.snapshot import HealthStatus, Snapshot
 from r3090d.core.suspend_types import Outcome, ProcessState, SuspendSample
 from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartReason, Severity
 from r3090d.engineflags import flag_value
@@ -179,16 +180,6 @@ def unavailable_here(cfg: Config) -> Refusal | None:
     return None
 
 
-def unique_processes(procs) -> list[GpuProcess]:
-    """One entry per pid (NVML may list a process as both compute and graphics): the larger figure."""
-    best: dict[int, GpuProcess] = {}
-    for p in procs:
-        seen = best.get(p.pid)
-        if seen is None or (p.used_bytes or 0) > (seen.used_bytes or 0):
-            best[p.pid] = p
-    return list(best.values())
-
-
 class _Holder(Protocol):
     pid: int
     used_bytes: int | None
@@ -280,14 +271,12 @@ def resume_room(s: Suspension, snap: Snapshot, cfg: Config) -> tuple[bool, str]:
     """can_resume() on this (fresh) reading; a refusal names who holds the memory, with process names."""
     g = snap.gpu
     margin = cfg.suspend.resume_margin_mib * MIB
-    engine = set(snap.child.tree_pids)
-    holders = [p for p in unique_processes((g.processes or ()) + (g.graphics_processes or ())) if p.pid not in engine]
+    holders = others_on_card(g, snap.child.tree_pids)
     ok, reason = can_resume(g.memory_free, s.bytes, margin, holders)
     if ok or g.memory_free is None:
         return ok, reason
     names = dict(snap.process_names)
-    held = sorted(holders, key=lambda h: h.used_bytes or 0, reverse=True)
-    who = ", ".join(f"pid {h.pid} ({names.get(h.pid, '?')}, {_gib(h.used_bytes)})" for h in held)
+    who = ", ".join(f"pid {h.pid} ({names.get(h.pid, '?')}, {_gib(h.used_bytes)})" for h in holders)
     who = who or "no process NVML lists (another container?)"
     return False, f"{_gib(g.memory_free)} free, {_gib(s.bytes)} + {_gib(margin)} margin needed; held by {who}"
 

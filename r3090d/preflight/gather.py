@@ -11,9 +11,10 @@ import psutil
 
 from r3090d import argv as argvmod
 from r3090d.config import Config
+from r3090d.core.room import unique_processes
 from r3090d.core.snapshot import GpuSample, GpuStatus
 from r3090d.core.suspend_types import Outcome
-from r3090d.core.suspension import pick_target, unique_processes
+from r3090d.core.suspension import pick_target
 from r3090d.effectors.suspender import Suspender
 from r3090d.preflight.checks import CheckResult, PreflightFacts, run_checks
 from r3090d.probes import nvml as nvmlprobe
