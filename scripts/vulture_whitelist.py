@@ -15,7 +15,7 @@ tick_seconds, recent, remind_after_s, _.reaped_total
 NONE, DRAIN_P2P
 
 # Read by the tests and the benchmarks, which vulture does not scan.
-PERMANENT, sample_from_dict, ppid
+PERMANENT, sample_from_dict, ppid, start_succeeded
 
 # Hooks that a library calls by name: click (the file= of echo, the default map), logging,
 # the syslog handler, reprlib's limits, prometheus_client's collector, requests' session,

@@ -112,6 +112,11 @@ class PolicyState:
     xid_counts: tuple[tuple[XidClass, int], ...] = ()  # XIDs seen, by class
     reset_hold: ResetHold | None = None  # the card needs a reset: no start until r3090ctl restart or a reboot
     gpu_wait: Room | None = None  # WAITING_FOR_GPU: the room the start waits for, and who holds it
+
+    @property
+    def given_up(self) -> bool:
+        """The give-up stands (the gave_up alert, the exporter's gauge): through automatic attempts, until one succeeds."""
+        return self.phase is Phase.GIVEN_UP or self.gave_up_unresolved
     watch: rules.WatchState = field(default_factory=rules.WatchState)
     blind: rules.Blindness = field(default_factory=rules.Blindness)
     alerts: alerting.AlertBook = field(default_factory=alerting.AlertBook)
@@ -202,7 +207,7 @@ def _lifecycle_facts(st: PolicyState, cfg: Config, now: float) -> rules.Lifecycl
         backoff_remaining=(st.next_start_at - now) if st.phase is Phase.BACKOFF and st.next_start_at else None,
         restart_reason=st.restart_reason,
         give_up_reason=st.give_up_reason,
-        gave_up_unresolved=st.gave_up_unresolved,
+        given_up=st.given_up,
         recent_restarts=len(st.restart_times),
         root_cause=st.last_root_cause,
         retry_in=(st.retry_at - now) if st.retry_at is not None else None,

@@ -54,7 +54,7 @@ class LifecycleFacts:
     backoff_remaining: float | None
     restart_reason: str | None
     give_up_reason: str | None
-    gave_up_unresolved: bool = False
+    given_up: bool = False  # the give-up stands: GIVEN_UP, or not yet served again since (PolicyState.given_up)
     recent_restarts: int = 0  # unrequested restarts within restart_storm_window
     root_cause: str | None = None
     retry_in: float | None = None  # GIVEN_UP: seconds to the next automatic attempt (watchdog.give_up_retry)
@@ -314,7 +314,7 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
     cause = f"; root cause: {life.root_cause}" if life.root_cause else ""
     out.append(Condition(
         "gave_up",
-        life.phase is Phase.GIVEN_UP or life.gave_up_unresolved,
+        life.given_up,
         Severity.CRITICAL,
         # The give-up's reason (with its root cause) ends the line: Alertmanager's annotation cuts the cause from the end.
         f"gave up ({_after_give_up(life)}): {life.give_up_reason}" if life.give_up_reason

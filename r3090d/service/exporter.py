@@ -137,10 +137,9 @@ def healthz(doc: StateDocument | dict | None, now: float) -> tuple[int, str]:
 def _healing_families(d: StateDocument) -> list:
     """What holds starts, and what heals by itself: gauges that stay put while a condition lasts."""
     heal, engine = d.healing, d.engine
-    given_up = engine.phase is Phase.GIVEN_UP or (d.give_up_reason is not None and not heal.start_succeeded)
     out = []
     for name, help_, value in (
-        ("r3090d_engine_given_up", "1 from a give-up until an engine succeeds again (automatic attempts do not clear it)", 1 if given_up else 0),
+        ("r3090d_engine_given_up", "1 from a give-up until an engine succeeds again (automatic attempts do not clear it)", 1 if heal.given_up else 0),
         ("r3090d_give_up_retry_attempts", "automatic start attempts since the give-up (watchdog.give_up_retry)", heal.retry_attempts),
         ("r3090d_give_up_next_attempt_timestamp_seconds", "Unix time of the next automatic start attempt (absent: none due)", heal.next_retry_at),
         ("r3090d_gpu_reset_needed", "1 while no engine may start until the GPU is reset (an XID, or the driver's recovery action)", 1 if heal.reset_hold else 0),

@@ -25,6 +25,7 @@ import typing
 from dataclasses import dataclass, field
 
 from r3090d.core.alerting import AlertEntry
+from r3090d.core.room import Holder
 from r3090d.core.snapshot import GpuSample, HealthSample, MetricsSample
 from r3090d.core.suspension import Result, Stage
 from r3090d.core.vocabulary import Phase, Severity
@@ -119,24 +120,18 @@ class RestartsInfo:
 
 
 @dataclass(frozen=True)
-class GpuHolderInfo:
-    pid: int
-    name: str | None = None
-    used_bytes: int | None = None
-
-
-@dataclass(frozen=True)
 class HealingInfo:
     """What keeps the engine from starting, and how the daemon heals by itself."""
 
     reset_hold: str | None = None  # the card needs a reset: why (an XID, the driver's recovery action)
     reset_hold_since: float | None = None  # wall clock
-    gpu_wait_holders: list[GpuHolderInfo] = field(default_factory=list)  # waiting-for-gpu: who holds the card
+    gpu_wait_holders: list[Holder] = field(default_factory=list)  # waiting-for-gpu: who holds the card
     gpu_wait_need_bytes: int | None = None
     gpu_wait_free_bytes: int | None = None
     give_up_retry_s: float = 0.0  # watchdog.give_up_retry (0: none)
     retry_attempts: int = 0  # automatic attempts since the give-up
     next_retry_at: float | None = None  # wall clock of the next one
+    given_up: bool = False  # the give-up stands, automatic attempts included (PolicyState.given_up)
     start_succeeded: bool = False  # this engine served, or was ready for min_uptime
     xid_by_class: dict[str, int] = field(default_factory=dict)
     detector_scale: dict[str, int] = field(default_factory=dict)  # widened fast detectors (absent: 1x)

@@ -63,7 +63,7 @@ def verdict_of(doc: StateDocument | dict | None, *, running: bool, now: float) -
     elif engine.phase is Phase.RESET_NEEDED:
         crit.append(f"the GPU needs a reset: {heal.reset_hold or 'unknown reason'}; then r3090ctl restart")
     elif engine.phase is Phase.WAITING_FOR_GPU:
-        who = ", ".join(f"pid {h.pid} ({h.name or '?'}, {_mib(h.used_bytes)})" for h in heal.gpu_wait_holders) or "others"
+        who = ", ".join(h.text() for h in heal.gpu_wait_holders) or "others"
         warn.append(f"engine waiting for GPU memory held by {who}")
     elif engine.phase in CRITICAL_PHASES:
         crit.append(f"engine {engine.phase}")
@@ -146,7 +146,7 @@ def panel(doc: StateDocument | dict, verdict: HealthVerdict, now: float, *, note
     if heal.reset_hold:
         lines.append(f"GPU reset  needed since {clock(heal.reset_hold_since)}: {heal.reset_hold}")
     if heal.gpu_wait_holders:
-        who = ", ".join(f"pid {h.pid} ({h.name or '?'}, {_mib(h.used_bytes)})" for h in heal.gpu_wait_holders)
+        who = ", ".join(h.text() for h in heal.gpu_wait_holders)
         lines.append(f"GPU held   by {who}: {_mib(heal.gpu_wait_free_bytes)} free, {_mib(heal.gpu_wait_need_bytes)} needed")
     if d.give_up_reason:
         lines.append(f"Gave up    {d.give_up_reason}")
