@@ -7,6 +7,7 @@ tests are what earns that trust.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import signal
 import socket
@@ -51,12 +52,12 @@ def completion(double: FakeVllm, max_tokens: int, prompt: str = "hello there", t
     return http().post(double.url + "/v1/completions", json=body, timeout=timeout)
 
 
-def stream_in_thread(double: FakeVllm, max_tokens: int, prompt: str = "hello there") -> tuple[threading.Thread, dict]:
+def stream_in_thread(double: FakeVllm, max_tokens: int, prompt: str = "hello there", **extra) -> tuple[threading.Thread, dict]:
     """Streams a completion in the background; result holds events, error and first_token (an Event)."""
     result: dict = {"events": [], "error": None, "first_token": threading.Event()}
 
     def run():
-        body = {"model": double.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+        body = {"model": double.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "stream": True, **extra}
         try:
             with http().stream("POST", double.url + "/v1/completions", json=body, timeout=20.0) as r:
                 result["status"] = r.status_code
@@ -248,6 +249,168 @@ def test_request_log_records_path_and_status(surface):
     http().get(surface.url + "/nope")
     recent = [(e["method"], e["path"], e["status"]) for e in surface.request_log() if e["t"] >= before]
     assert recent == [("GET", "/v1/models", 200), ("GET", "/nope", 404)]
+
+
+# ----------------------------------------------------------------- the known-answer canary
+
+CANARY_PROMPT = "The capital of France is"
+CANARY_SAMPLING = {"temperature": 0, "top_p": 1, "top_k": -1, "min_p": 0, "repetition_penalty": 1, "presence_penalty": 0,
+                   "frequency_penalty": 0, "seed": 3090, "ignore_eos": True}  # fmt: skip
+
+
+def canary(double: FakeVllm, prompt: str = CANARY_PROMPT, **extra) -> dict:
+    """choices[0] of a canary completion: 16 greedy tokens with their top-2 log-probabilities, as token ids."""
+    body = {**CANARY_SAMPLING, "logprobs": 2, "return_tokens_as_token_ids": True, "cache_salt": "ab12cd34", **extra}
+    r = completion(double, 16, prompt=prompt, **body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def token_ids(choice: dict) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+
+
+def ranked_top(choice: dict) -> list[list[tuple[str, float]]]:
+    """Each position's top log-probabilities, best first."""
+    return [sorted(top.items(), key=lambda kv: -kv[1]) for top in choice["logprobs"]["top_logprobs"]]
+
+
+def margins(choice: dict) -> list[float]:
+    return [first[1] - second[1] for first, second, *_ in ranked_top(choice)]
+
+
+def test_logprobs_in_vllms_completion_shape(surface):
+    choice = canary(surface)
+    lp = choice["logprobs"]
+    assert set(lp) == {"text_offset", "token_logprobs", "tokens", "top_logprobs"}
+    assert all(len(v) == 16 for v in lp.values())
+    assert len(set(token_ids(choice))) > 1  # every token is "token_id:N", N an int
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], ranked_top(choice), strict=True):
+        assert len(top) == 2 and top[0] == (token, logprob)  # the generated token is the greedy top-1
+        assert top[1][0].startswith("token_id:") and top[1][0] != token
+        assert 0 > top[0][1] > top[1][1]
+        assert sum(math.exp(v) for _, v in top) < 1
+    assert margins(choice) == pytest.approx([3.0] * 16)
+    # vLLM advances text_offset by the reported token's length, "token_id:N" included.
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(16)]
+
+    as_text = canary(surface, return_tokens_as_token_ids=False, logprobs=3)
+    lp = as_text["logprobs"]
+    assert as_text["text"] == choice["text"] == "".join(lp["tokens"])
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(16)]
+    assert all(len(top) == 3 and next(iter(top)) == token for top, token in zip(lp["top_logprobs"], lp["tokens"], strict=True))
+    assert margins(as_text) == margins(choice)
+
+    assert completion(surface, 3, ignore_eos=True).json()["choices"][0]["logprobs"] is None
+    for bad in (21, -1, "2", True):
+        r = completion(surface, 3, logprobs=bad)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError", bad
+
+
+def test_greedy_answers_depend_on_the_prompt_only(surface):
+    first = canary(surface)
+    surface.control(token_delay=0.02)
+    try:
+        # Another greedy stream shares every engine step; the canary needs 16 of them, the stream 40.
+        thread, result = stream_in_thread(surface, 40, "a long story about a dog", temperature=0, ignore_eos=True)
+        assert result["first_token"].wait(5)
+        during = canary(surface)
+        assert thread.is_alive()
+    finally:
+        surface.control(token_delay=0.001)
+    thread.join(10)
+    assert during == first
+    assert canary(surface) == first
+    other = canary(surface, "Another prompt")
+    assert token_ids(other) != token_ids(first)
+    # The same greedy answer without logprobs (a liveness probe), and streamed.
+    plain = completion(surface, 16, prompt=CANARY_PROMPT, **CANARY_SAMPLING).json()["choices"][0]
+    assert plain["text"] == first["text"] and plain["logprobs"] is None
+    with_text = canary(surface, return_tokens_as_token_ids=False)
+    body = {"model": "fake", "prompt": CANARY_PROMPT, "max_tokens": 16, "stream": True, "logprobs": 2, **CANARY_SAMPLING}
+    with http().stream("POST", surface.url + "/v1/completions", json=body, timeout=10) as r:
+        chunks = [e["choices"][0] for e in read_sse(r)[:-1]]
+    assert "".join(c["text"] for c in chunks) == first["text"]
+    for key in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+        assert [x for c in chunks for x in c["logprobs"][key]] == with_text["logprobs"][key], key
+
+
+def test_canary_margins_set_the_unfaulted_margins(surface):
+    baseline = canary(surface)
+    state = surface.control(canary_margins=[5, 0.2, 0.05])
+    try:
+        assert state["canary_margins"] == [5.0, 0.2, 0.05]
+        answer = canary(surface)
+        assert margins(answer) == pytest.approx([5, 0.2, 0.05] + [3.0] * 13)
+        assert token_ids(answer) == token_ids(baseline)  # the margins move, the tokens do not
+    finally:
+        surface.control(canary_margins=[])
+    assert margins(canary(surface)) == pytest.approx([3.0] * 16)
+
+
+def test_canary_fault_answers_the_runner_up_from_a_position_on(surface):
+    baseline = canary(surface)
+    baseline_top = ranked_top(baseline)
+    plain_before = completion(surface, 16, prompt=CANARY_PROMPT, **CANARY_SAMPLING).json()["choices"][0]["text"]
+    state = surface.control(canary_fault={"from": 5, "margin": 0.25})
+    try:
+        assert state["canary_fault"] == {"from": 5, "margin": 0.25}
+        faulted = canary(surface)
+        assert token_ids(faulted)[:5] == token_ids(baseline)[:5]
+        assert all(a != b for a, b in zip(token_ids(faulted)[5:], token_ids(baseline)[5:], strict=True))
+        assert margins(faulted) == pytest.approx([3.0] * 5 + [0.25] * 11)
+        for pos, top in enumerate(ranked_top(faulted)[5:], start=5):
+            # The old runner-up leads, the old top-1 is now the runner-up.
+            assert [token for token, _ in top] == [baseline_top[pos][1][0], baseline_top[pos][0][0]]
+        assert faulted["text"] != baseline["text"]
+        # Liveness probes and load (no logprobs) are not faulted.
+        assert completion(surface, 16, prompt=CANARY_PROMPT, **CANARY_SAMPLING).json()["choices"][0]["text"] == plain_before
+
+        surface.control(canary_fault={"from": 0, "margin": 20})
+        corrupt = canary(surface)
+        assert all(a != b for a, b in zip(token_ids(corrupt), token_ids(baseline), strict=True))
+        assert margins(corrupt) == pytest.approx([20.0] * 16)
+    finally:
+        state = surface.control(canary_fault=None)
+    assert state["canary_fault"] is None
+    assert canary(surface) == baseline
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"canary_margins": 0.5},
+        {"canary_margins": [1, "2"]},
+        {"canary_margins": [-0.1]},
+        {"canary_margins": [True]},
+        {"canary_margins": [1e9]},
+        {"canary_fault": {"from": 3}},
+        {"canary_fault": {"from": 3, "margin": 1, "to": 9}},
+        {"canary_fault": {"from": -1, "margin": 1}},
+        {"canary_fault": {"from": 1.5, "margin": 1}},
+        {"canary_fault": {"from": 2, "margin": -1}},
+        {"canary_fault": {"from": 2, "margin": "big"}},
+        {"canary_fault": [2, 1.0]},
+        {"canary_fault": False},
+    ],
+)
+def test_canary_control_rejects_bad_bodies(surface, body):
+    r = http().post(surface.url + "/fake/control", json=body)
+    assert r.status_code == 400 and next(iter(body)) in r.json()["error"]["message"]
+    assert (surface.state()["canary_margins"], surface.state()["canary_fault"]) == ([], None)
+
+
+def test_request_log_keeps_the_request_fields(surface):
+    before = time.time()
+    canary(surface)
+    completion(surface, 2, prompt=" ".join(["w"] * 40))
+    http().post(surface.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    logged = [e for e in surface.request_log() if e["t"] >= before]
+    assert [e["path"] for e in logged] == ["/v1/completions", "/v1/completions", "/v1/chat/completions"]
+    assert logged[0]["body"] == {"model": "fake", "prompt": CANARY_PROMPT, "max_tokens": 16, **CANARY_SAMPLING, "logprobs": 2,
+                                 "return_tokens_as_token_ids": True, "cache_salt": "ab12cd34"}  # fmt: skip
+    assert logged[1]["body"]["prompt"] == " ".join(["w"] * 40)[:200]  # prompts are cut short
+    assert logged[2]["body"] == {"max_tokens": 2}  # messages are left out
 
 
 def test_api_key_guards_v1_only(fake_vllm):

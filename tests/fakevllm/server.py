@@ -10,8 +10,10 @@ modes; POST /fake/control changes them while it runs. See README.md.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
+import math
 import os
 import queue
 import select
@@ -37,6 +39,11 @@ MAX_BODY = 16 * 1024 * 1024
 REQUEST_LOG_CAP = 20000
 METRICS_SHAPES = ("live", "idle", "leak", "load", "garbage", "file")
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "and", "runs", "home")
+VOCAB = len(WORDS) * 10000  # token ids: a multiple of len(WORDS), so no runner-up shares its top-1's text
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+DEFAULT_MARGIN = 3.0  # nats between top-1 and top-2, unless canary_margins says otherwise
+MAX_MARGIN = 100.0
+LOGGED_PROMPT_CHARS = 200
 
 
 def _load_sibling(name: str):
@@ -338,7 +345,8 @@ class Behaviour:
     """What the double does now: set by flags at start and by POST /fake/control while running."""
 
     CONTROL_KEYS = {"metrics", "kv_usage", "load_running", "load_tokens_per_s", "metrics_file", "metrics_values",
-                    "freeze", "health", "hang", "token_delay", "kill_engine_core", "exit", "clear_requests"}  # fmt: skip
+                    "freeze", "health", "hang", "token_delay", "kill_engine_core", "exit", "clear_requests",
+                    "canary_margins", "canary_fault"}  # fmt: skip
     VALUE_KEYS = {"running", "waiting", "kv_cache_usage_perc", "preemptions", "prompt_tokens", "generation_tokens"}
 
     def __init__(self, opts: argparse.Namespace):
@@ -358,6 +366,8 @@ class Behaviour:
         self.synth_prompt = 0
         self.load_clock = time.monotonic()
         self.load_credit = 0.0
+        self.canary_margins: list[float] = []
+        self.canary_fault: dict | None = None
         if opts.fake_garbage_metrics:
             self.shape = "garbage"
         elif opts.fake_metrics_file:
@@ -416,6 +426,10 @@ class Behaviour:
             self.shape = shape
 
 
+def is_margin(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and 0 <= x <= MAX_MARGIN
+
+
 def check_control(body: object) -> str | None:
     """None if `body` is a valid control request, else what is wrong with it."""
     if not isinstance(body, dict):
@@ -439,6 +453,17 @@ def check_control(body: object) -> str | None:
         return "load_running must be a non-negative integer"
     if "exit" in body and (not isinstance(body["exit"], int) or isinstance(body["exit"], bool) or not 0 <= body["exit"] <= 255):
         return "exit must be an integer 0..255"
+    margins = body.get("canary_margins", [])
+    if not isinstance(margins, list) or not all(map(is_margin, margins)):
+        return f"canary_margins must be a list of numbers 0..{MAX_MARGIN:g}"
+    fault = body.get("canary_fault")
+    if fault is not None:
+        if not isinstance(fault, dict) or set(fault) != {"from", "margin"}:
+            return 'canary_fault must be null or {"from": P, "margin": M}'
+        if not isinstance(fault["from"], int) or isinstance(fault["from"], bool) or fault["from"] < 0:
+            return "canary_fault's from must be a non-negative integer"
+        if not is_margin(fault["margin"]):
+            return f"canary_fault's margin must be a number 0..{MAX_MARGIN:g}"
     if "metrics_values" in body:
         values = body["metrics_values"]
         if not isinstance(values, dict) or set(values) - Behaviour.VALUE_KEYS:
@@ -497,6 +522,90 @@ def prompt_token_count(body: dict, chat: bool) -> int:
 
 def token_text(index: int) -> str:
     return " " + WORDS[index % len(WORDS)]
+
+
+def ranked(first: int, second: int, k: int) -> list[int]:
+    """The top-k token ids at a position: `first`, `second`, then others, of unused texts while any are left."""
+    out = [first, second][:k]
+    candidate = first
+    while len(out) < k:
+        candidate = (candidate + 1) % VOCAB
+        texts = {token_text(t) for t in out}
+        if candidate not in out and (token_text(candidate) not in texts or len(texts) == len(WORDS)):
+            out.append(candidate)
+    return out
+
+
+def ranked_logprobs(margin: float, k: int) -> list[float]:
+    """Log-probabilities of ranks 1..k: rank 2 `margin` nats below rank 1, each later one 1 nat lower (sum < 1)."""
+    first = -math.log1p(1.6 * math.exp(-margin))
+    return [first] + [first - margin - j for j in range(k - 1)]
+
+
+def logged_body(body: dict) -> dict:
+    """A request's fields as the request log keeps them: the prompt cut short, no messages (it holds thousands)."""
+    fields = {k: v for k, v in body.items() if k not in ("prompt", "messages")}
+    if isinstance(body.get("prompt"), str):
+        fields["prompt"] = body["prompt"][:LOGGED_PROMPT_CHARS]
+    return fields
+
+
+class Answer:
+    """What one request generates: its tokens and, with logprobs, vLLM's completions logprobs for them.
+
+    A greedy request (temperature 0) answers a function of its prompt and the position
+    only, whatever else runs; each position also has a runner-up of another text. Other
+    requests answer the word list in order (token id = position). Margins and the fault
+    are read once, when the request arrives.
+    """
+
+    def __init__(self, body: dict, chat: bool, behaviour: Behaviour):
+        temperature = body.get("temperature")
+        greedy = isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature < 1e-5
+        prompt = body.get("messages") if chat else body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # ["text"] is the prompt "text"
+        self.key = hashlib.blake2b(json.dumps(prompt, sort_keys=True).encode(), digest_size=8).digest() if greedy else None
+        self.k = None if chat else body.get("logprobs")
+        self.as_ids = bool(body.get("return_tokens_as_token_ids"))
+        with behaviour.lock:
+            self.margins = list(behaviour.canary_margins)
+            self.fault = behaviour.canary_fault if greedy and self.k is not None else None
+
+    def step(self, pos: int) -> tuple[int, int, float]:
+        """(the generated token, the runner-up, the margin between them) at position `pos`."""
+        if self.key is None:
+            top, alt = pos, pos + 1
+        else:
+            x = int.from_bytes(hashlib.blake2b(self.key + pos.to_bytes(4, "big"), digest_size=8).digest(), "big")
+            top = x % VOCAB
+            alt = (top + 1 + (x // VOCAB) % (len(WORDS) - 1)) % VOCAB
+        if self.fault is not None and pos >= self.fault["from"]:
+            return alt, top, float(self.fault["margin"])
+        return top, alt, float(self.margins[pos]) if pos < len(self.margins) else DEFAULT_MARGIN
+
+    def text(self, start: int, end: int) -> str:
+        return "".join(token_text(self.step(pos)[0]) for pos in range(start, end))
+
+    def name(self, token: int) -> str:
+        return f"token_id:{token}" if self.as_ids else token_text(token)
+
+    def logprobs(self, start: int, end: int, offset: int) -> dict | None:
+        """vLLM's completions logprobs for positions start..end-1; `offset`: the text's length before `start`."""
+        if self.k is None:
+            return None
+        out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        for pos in range(start, end):
+            first, second, margin = self.step(pos)
+            values = ranked_logprobs(margin, max(self.k, 1))  # logprobs 0: the generated token alone
+            token = self.name(first)
+            out["text_offset"].append(offset)
+            out["token_logprobs"].append(values[0])
+            out["tokens"].append(token)
+            tokens = ranked(first, second, len(values))
+            out["top_logprobs"].append({self.name(t): v for t, v in zip(tokens, values, strict=True)})
+            offset += len(token)  # as vLLM does: the reported token's length, "token_id:N" included
+        return out
 
 
 class App:
@@ -601,6 +710,8 @@ class App:
             "health": "503" if b.health_503 else "ok",
             "metrics": b.shape,
             "token_delay": b.token_delay,
+            "canary_margins": list(b.canary_margins),
+            "canary_fault": b.canary_fault,
             "active_streams": self.active_streams,
             "engine_stats": stats,
             "api_key_required": self.api_key is not None,
@@ -625,6 +736,10 @@ class App:
                 b.health_503 = body["health"] == "503"
             if "hang" in body:
                 b.hang = body["hang"]
+            if "canary_margins" in body:
+                b.canary_margins = [float(m) for m in body["canary_margins"]]
+            if "canary_fault" in body:
+                b.canary_fault = body["canary_fault"]
         if "metrics" in body or "metrics_file" in body:
             b.set_shape(body.get("metrics", "file"), e)
         if "token_delay" in body:
@@ -818,6 +933,8 @@ class Handler(BaseHTTPRequestHandler):
             raise BadRequest(f"invalid JSON: {e}") from None
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
+        if self.entry is not None:
+            self.entry["body"] = logged_body(body)
         return body
 
     # -- vLLM's endpoints
@@ -883,6 +1000,12 @@ class Handler(BaseHTTPRequestHandler):
             )
         if body.get("n", 1) != 1:
             raise BadRequest("n other than 1 is not supported by this test double")
+        k = None if chat else body.get("logprobs")
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise BadRequest(f"logprobs must be a non-negative integer, got {k!r}.")
+        if k is not None and k > MAX_LOGPROBS:
+            raise BadRequest(f"Requested sample logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}")
+        answer = Answer(body, chat, app.behaviour)
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else False
         eos_after = None if body.get("ignore_eos") else o.fake_eos_after
@@ -891,13 +1014,13 @@ class Handler(BaseHTTPRequestHandler):
         try:
             gen = app.engine.submit(prompt_tokens, max_tokens, eos_after)
             if stream:
-                self._stream(gen, chat, name, include_usage)
+                self._stream(gen, answer, chat, name, include_usage)
             else:
-                self._complete(gen, chat, name)
+                self._complete(gen, answer, chat, name)
         finally:
             app.stream_ended()
 
-    def _complete(self, gen: Generation, chat: bool, model: str):
+    def _complete(self, gen: Generation, answer: Answer, chat: bool, model: str):
         app = self.server.app
         while True:
             try:
@@ -914,7 +1037,7 @@ class Handler(BaseHTTPRequestHandler):
             _, generated, finish = event
             if finish:
                 break
-        text = "".join(token_text(i) for i in range(generated))
+        text = answer.text(0, generated)
         usage = {"prompt_tokens": gen.prompt_tokens, "total_tokens": gen.prompt_tokens + generated,
                  "completion_tokens": generated, "prompt_tokens_details": None}  # fmt: skip
         if chat:
@@ -923,24 +1046,25 @@ class Handler(BaseHTTPRequestHandler):
             obj = "chat.completion"
             prefix = "chatcmpl-"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            logprobs = answer.logprobs(0, generated, 0)
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": None}
             obj = "text_completion"
             prefix = "cmpl-"
         self._json(200, {"id": prefix + gen.id, "object": obj, "created": int(time.time()), "model": model,
                          "choices": [choice], "usage": usage})  # fmt: skip
 
-    def _stream(self, gen: Generation, chat: bool, model: str, include_usage: bool):
+    def _stream(self, gen: Generation, answer: Answer, chat: bool, model: str, include_usage: bool):
         app = self.server.app
         created = int(time.time())
         ident = ("chatcmpl-" if chat else "cmpl-") + gen.id
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> dict:
+        def chunk(text: str | None, finish: str | None, first: bool = False, logprobs: dict | None = None) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else {"content": text}
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+                choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": None}
             if finish:
                 choice["stop_reason"] = None
             return {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice]}
@@ -949,7 +1073,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        sent = 0
+        sent = sent_chars = 0
         try:
             if chat:
                 self._sse(chunk(None, None, first=True))
@@ -964,9 +1088,10 @@ class Handler(BaseHTTPRequestHandler):
                     self._sse(error_body(event[1], "InternalServerError", 500))
                     break
                 _, generated, finish = event
-                text = "".join(token_text(i) for i in range(sent, generated))
-                sent = generated
-                self._sse(chunk(text, finish))
+                text = answer.text(sent, generated)
+                logprobs = answer.logprobs(sent, generated, sent_chars)
+                sent, sent_chars = generated, sent_chars + len(text)
+                self._sse(chunk(text, finish, logprobs=logprobs))
                 if finish:
                     if include_usage:
                         usage = {"prompt_tokens": gen.prompt_tokens, "total_tokens": gen.prompt_tokens + sent, "completion_tokens": sent}
