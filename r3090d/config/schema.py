@@ -233,6 +233,27 @@ class SuspendConfig:
     remind_after: float = opt(14400.0, 1, 30 * 86400)  # alert suspended_long after this long suspended
 
 
+# The canary's default prompt: plain counting, which any tokenizer splits into many
+# tokens and any trained model continues with confidence; longer than one KV block.
+DEFAULT_CANARY_PROMPT = "Count on: " + ", ".join(str(i) for i in range(1, 49)) + ","
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    """The known-answer canary (r3090d.core.canary): a pinned greedy completion compared with the engine's baseline."""
+
+    enabled: bool = opt(True)
+    prompt: str = opt(DEFAULT_CANARY_PROMPT, max_len=8192)
+    max_tokens: int = opt(16, 4, 256)
+    seed: int = opt(3090, 0, 2**31 - 1)
+    interval: float = opt(600.0, 10, 7 * 86400)  # one comparison this often while READY, under load too
+    timeout: float = opt(60.0, 1, 3600)  # a canary with no answer by then is an error (never a restart)
+    # Positions are compared only up to the baseline's first one whose top-1 minus top-2 margin is below this.
+    margin_threshold: float = opt(0.5, 0.01, 20)
+    min_prefix: int = opt(4, 1, 256)  # a baseline confident for fewer tokens says nothing: the prompt is not useful
+    restart_on_mismatch: bool = opt(True)  # a periodic mismatch restarts the engine (after a resume it always does)
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     state_dir: str = opt("/var/lib/r3090d", path=True)
@@ -255,6 +276,7 @@ class Config:
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     suspend: SuspendConfig = field(default_factory=SuspendConfig)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
     profiles: dict = opt({}, items=dict)  # name -> table of Profile keys, overriding or adding
     # Derived, never read from the file:
     source: str = ""

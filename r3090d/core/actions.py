@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from r3090d.core.vocabulary import AlertState, Severity
+from r3090d.core.snapshot import CanaryAnswer
+from r3090d.core.vocabulary import AlertState, CanaryPurpose, Severity
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,20 @@ class RecordRestart:
 @dataclass(frozen=True)
 class SendInferenceProbe:
     pass
+
+
+@dataclass(frozen=True)
+class SendCanary:
+    """Send the known-answer canary, off the loop; its answer arrives in Snapshot.canary."""
+
+    purpose: CanaryPurpose
+
+
+@dataclass(frozen=True)
+class SaveBaseline:
+    """Persist this engine's canary baseline in state_dir, with what it depends on."""
+
+    answer: CanaryAnswer
 
 
 @dataclass(frozen=True)
@@ -83,6 +98,7 @@ class SuspendRecord:
     engine_pid: int | None  # the engine's main pid (its process group)
     bytes: int  # GPU memory the checkpointed process held: what resuming needs free again
     since: float  # wall-clock time it was suspended
+    baseline: CanaryAnswer | None = None  # the canary's answer before the lock: a resume must give it back
 
 
 @dataclass(frozen=True)
@@ -105,4 +121,5 @@ class ResetProbes:
 Action = (
     StartEngine | StopEngine | SendAlert | RecordRestart | SendInferenceProbe | Exit
     | SuspendEngine | ResumeEngine | QueryEngineState | SaveSuspension | RequestGpuSample | ResetProbes
+    | SendCanary | SaveBaseline
 )  # fmt: skip

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 
 from r3090d import exitcodes
 from r3090d.config.schema import Config
-from r3090d.core import alerting, rules, suspension
+from r3090d.core import alerting, canary, rules, suspension
 from r3090d.core.actions import (
     Action,
     Exit,
@@ -122,6 +122,7 @@ class PolicyState:
     alerts: alerting.AlertBook = field(default_factory=alerting.AlertBook)
     suspension: Suspension | None = None  # set while in SUSPEND_PHASES (and kept through a shutdown)
     suspend_last: SuspendResult | None = None  # how the operator's last suspend or resume ended
+    canary: canary.CanaryState = field(default_factory=canary.CanaryState)
 
 
 def initial_state(now: float) -> PolicyState:
@@ -319,7 +320,7 @@ def _start(snap, st, cfg, now, actions, reason: str, *, automatic: bool, **chang
     return _to(
         st, Phase.STARTING, now,
         generation=snap.child.generation + 1, old_tree=(), start_pending=None, gpu_wait=None, death_at=None,
-        succeeded=False, served_base=None, watch=_fresh_watch(st),
+        succeeded=False, served_base=None, watch=_fresh_watch(st), canary=st.canary.fresh(),
     )  # fmt: skip
 
 
@@ -408,7 +409,14 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
     if verdict is not None and not st.maintenance:
         return _fail(snap, st, cfg, now, actions, events, verdict.reason, verdict.detail, drain=verdict.drain)
     if snap.suspend_requested is not None:
-        return _apply(snap, st, cfg, now, actions, events, suspension.begin(snap, cfg, now, snap.suspend_requested))
+        return _apply(snap, st, cfg, now, actions, events, suspension.begin(snap, cfg, now, snap.suspend_requested, st.canary.baseline))
+    check = canary.step(st.canary, snap, cfg, now, maintenance=st.maintenance)
+    st = replace(st, canary=check.state)
+    actions.extend(check.actions)
+    events.extend(check.events)
+    if check.restart is not None:
+        # Wrong answers are worse than none: stop at once, no drain.
+        return _fail(snap, st, cfg, now, actions, events, RestartReason.WRONG_OUTPUT, check.restart, drain=False)
     if rules.probe_due(snap, st.watch, cfg, now) and not st.maintenance:
         actions.append(SendInferenceProbe())
     return st
@@ -428,7 +436,7 @@ def served_since_ready(snap: Snapshot, st: PolicyState) -> tuple[float | None, b
     served = snap.metrics.served_total
     if served is None or snap.metrics.error is not None:
         return st.served_base, False
-    net = served - snap.inference.sent_total
+    net = served - snap.inference.sent_total - snap.canary.sent_total
     if st.served_base is None:
         return net, False
     return st.served_base, net > st.served_base
@@ -620,6 +628,8 @@ def _apply(snap, st, cfg, now, actions, events, move: suspension.Move) -> Policy
         events.append(move.event)
     if move.result is not None:
         st = replace(st, suspend_last=move.result)
+    if move.compared is not None:
+        st = replace(st, canary=st.canary.counted(move.compared, snap.wall))
     if move.fail is not None:
         reason, detail = move.fail
         st = replace(st, suspension=None)
@@ -630,7 +640,10 @@ def _apply(snap, st, cfg, now, actions, events, move: suspension.Move) -> Policy
         return replace(st, suspension=move.suspension)
     if move.phase is Phase.READY:
         # Nothing that stood still during the suspension may read as a stall: the watch starts afresh.
-        return _to(st, Phase.READY, now, suspension=None, ready_since=now, watch=_fresh_watch(st, ready_at=now))
+        # The baseline the suspension carried (taken before the lock) is the engine's from now on.
+        held = st.suspension.baseline if st.suspension is not None else st.canary.baseline
+        return _to(st, Phase.READY, now, suspension=None, ready_since=now, watch=_fresh_watch(st, ready_at=now),
+                   canary=st.canary.fresh(held))  # fmt: skip
     return _to(st, move.phase, now, suspension=move.suspension)
 
 

@@ -197,6 +197,28 @@ class InferenceProbeSample:
     sent_total: int = 0  # probes sent since the daemon started, over all engines
 
 
+@dataclass(frozen=True)
+class CanaryAnswer:
+    """One canary completion: its tokens and, per position, the top-1 minus top-2 margin and the runner-up."""
+
+    token_ids: tuple[int, ...]
+    margins: tuple[float, ...]  # logprob(top-1) - logprob(top-2), nats
+    runner_up: tuple[int | None, ...]  # the top-2 token at each position
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class CanarySample:
+    """Latest result of the known-answer canary (run off the loop), and the persisted baseline it may meet."""
+
+    sent_at: float | None = None  # monotonic
+    finished_at: float | None = None
+    answer: CanaryAnswer | None = None  # None: in flight, never sent, or failed (error)
+    error: str = ""
+    sent_total: int = 0  # canaries sent since the daemon started: never counted as the engine having served
+    persisted: CanaryAnswer | None = None  # an earlier engine's baseline with this engine's dependencies
+
+
 # ------------------------------------------------------------------------- child
 
 
@@ -235,6 +257,7 @@ class Snapshot:
     metrics: MetricsSample  # /metrics; the engine's process is `child`
     gpu: GpuSample
     inference: InferenceProbeSample = field(default_factory=InferenceProbeSample)
+    canary: CanarySample = field(default_factory=CanarySample)
     shutdown_requested: bool = False
     # Requests from the control plane, consumed by this tick's decide().
     restart_requested: RestartKind | None = None

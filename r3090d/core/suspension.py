@@ -41,13 +41,16 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from r3090d.config.schema import Config
+from r3090d.core import canary
 from r3090d.core.actions import (
     Action,
     QueryEngineState,
     RequestGpuSample,
     ResetProbes,
     ResumeEngine,
+    SaveBaseline,
     SaveSuspension,
+    SendCanary,
     SendInferenceProbe,
     StopEngine,
     SuspendEngine,
@@ -55,9 +58,9 @@ from r3090d.core.actions import (
 )
 from r3090d.core.room import others_on_card, unique_processes
 from r3090d.core.rules import Condition
-from r3090d.core.snapshot import HealthStatus, Snapshot
+from r3090d.core.snapshot import CanaryAnswer, HealthStatus, Snapshot
 from r3090d.core.suspend_types import Outcome, ProcessState, SuspendSample
-from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartReason, Severity
+from r3090d.core.vocabulary import SUSPEND_PHASES, CanaryPurpose, Phase, RestartReason, Severity
 from r3090d.engineflags import flag_value
 from r3090d.units import GIB, MIB
 
@@ -69,18 +72,20 @@ PARALLEL_FLAGS = (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size"
 
 class Stage(enum.StrEnum):
     DRAINING = "draining"
+    BASELINING = "baselining"  # drained to nothing: the canary's baseline is taken again before the lock
     CHECKPOINTING = "checkpointing"
     SUSPENDED = "suspended"
     CHECKING = "checking"
     RESTORING = "restoring"
     QUERYING = "querying"
     VERIFYING = "verifying"
+    CANARY = "canary"  # resumed, /health and the probe passed: the canary must match the baseline taken before the lock
 
 
 # The engine cannot drain in these: its GPU work is locked (a stop must be fast).
 FROZEN_STAGES = (Stage.CHECKPOINTING, Stage.SUSPENDED, Stage.CHECKING, Stage.RESTORING, Stage.QUERYING)
 # /health (and, draining, /metrics) are read in these; in the others nothing asks the engine.
-PROBED_STAGES = (Stage.DRAINING, Stage.VERIFYING)
+PROBED_STAGES = (Stage.DRAINING, Stage.BASELINING, Stage.VERIFYING, Stage.CANARY)
 
 
 class Result(enum.StrEnum):
@@ -120,10 +125,12 @@ class Suspension:
     op_sent_at: float | None = None  # when the worker's operation was asked for
     frozen_requests: int = 0  # requests left running at the drain deadline, frozen with the engine
     error: str = ""  # the last refusal or failure, one line
+    baseline: CanaryAnswer | None = None  # the canary's known answer: a resume must give it back
+    canary_retried: bool = False  # CANARY: the comparison was sent again after an inconclusive (or no) answer
 
     @property
     def phase(self) -> Phase:
-        if self.stage in (Stage.DRAINING, Stage.CHECKPOINTING):
+        if self.stage in (Stage.DRAINING, Stage.BASELINING, Stage.CHECKPOINTING):
             return Phase.SUSPENDING
         if self.stage is Stage.SUSPENDED:
             return Phase.SUSPENDED
@@ -132,7 +139,7 @@ class Suspension:
         return Phase.RESUMING
 
     def record(self, engine_pid: int | None) -> SuspendRecord:
-        return SuspendRecord(pid=self.target or 0, engine_pid=engine_pid, bytes=self.bytes, since=self.since_wall or 0.0)
+        return SuspendRecord(pid=self.target or 0, engine_pid=engine_pid, bytes=self.bytes, since=self.since_wall or 0.0, baseline=self.baseline)
 
 
 @dataclass(frozen=True)
@@ -152,6 +159,7 @@ class Move:
     fail: tuple[RestartReason, str] | None = None  # restart the engine cold, for this reason
     start_cold: bool = False  # start a new engine now (a cold suspension resumed)
     event: Condition | None = None
+    compared: canary.Comparison | None = None  # the canary's comparison after a resume, for its counters
 
 
 # ------------------------------------------------------------------ checks
@@ -284,19 +292,20 @@ def resume_room(s: Suspension, snap: Snapshot, cfg: Config) -> tuple[bool, str]:
 # ------------------------------------------------------------------ stages
 
 
-def begin(snap: Snapshot, cfg: Config, now: float, request: int) -> Move:
+def begin(snap: Snapshot, cfg: Config, now: float, request: int, baseline: CanaryAnswer | None = None) -> Move:
     """READY and `r3090ctl suspend` accepted: start draining, or refuse if things changed since the reply."""
     refusal = suspend_refusal(cfg, Phase.READY, snap)
     if refusal is not None:
         result = Result.UNAVAILABLE if refusal.unavailable else Result.REFUSED
         return Move(None, Phase.READY, result=SuspendResult(request, "suspend", result, refusal.text, now))
     pid, held, _ = target(snap)
-    return Move(Suspension(Stage.DRAINING, now, request, target=pid, bytes=held), Phase.SUSPENDING)
+    return Move(Suspension(Stage.DRAINING, now, request, target=pid, bytes=held, baseline=baseline), Phase.SUSPENDING)
 
 
 def from_record(record: SuspendRecord, now: float, since: float) -> Suspension:
     """A daemon started with a suspension on record: no engine of its own, so a cold one."""
-    return Suspension(Stage.SUSPENDED, now, 0, target=record.pid, bytes=record.bytes, since=since, since_wall=record.since, cold=True)
+    return Suspension(Stage.SUSPENDED, now, 0, target=record.pid, bytes=record.bytes, since=since, since_wall=record.since, cold=True,
+                      baseline=record.baseline)  # fmt: skip
 
 
 def _stay(s: Suspension, actions: tuple[Action, ...] = ()) -> Move:
@@ -361,12 +370,14 @@ def advance(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float
     """One tick of a suspension under way or standing; `grace` is the load balancer's (policy.lb_grace)."""
     handler = {
         Stage.DRAINING: _draining,
+        Stage.BASELINING: _baselining,
         Stage.CHECKPOINTING: _checkpointing,
         Stage.SUSPENDED: _suspended,
         Stage.CHECKING: _checking,
         Stage.RESTORING: _restoring,
         Stage.QUERYING: _querying,
         Stage.VERIFYING: _verifying,
+        Stage.CANARY: _canary,
     }[s.stage]
     return handler(s, snap, cfg, now, grace)
 
@@ -382,12 +393,35 @@ def _draining(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: flo
         busy = round((eng.running or 0) + (eng.waiting or 0))
     if busy != 0 and now < s.stage_since + grace + cfg.suspend.drain_timeout:
         return _stay(s)
+    if busy == 0 and cfg.canary.enabled:
+        # Nothing runs: the engine's known answer now is what a resume must give back.
+        return _stay(_to(s, Stage.BASELINING, now, op_sent_at=now), (SendCanary(CanaryPurpose.BASELINE),))
+    # Requests are frozen with the engine: the last baseline stands.
+    return _lock(s, snap, cfg, now, busy if busy is not None else 0)
+
+
+def _baselining(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
+    if _lost(s, snap):
+        return _gone_cold(s, snap, now)
+    done = canary.result(snap.canary, s.op_sent_at, cfg.canary, now)
+    if done is None:
+        return _stay(s)
+    if done.answer is None:  # no answer: the last baseline stands
+        return _lock(s, snap, cfg, now, _busy(snap))
+    return _lock(replace(s, baseline=done.answer), snap, cfg, now, _busy(snap), (SaveBaseline(done.answer),))
+
+
+def _busy(snap: Snapshot) -> int:
+    m = snap.metrics
+    return round((m.running or 0) + (m.waiting or 0)) if m.error is None else 0
+
+
+def _lock(s: Suspension, snap: Snapshot, cfg: Config, now: float, frozen: int, actions: tuple[Action, ...] = ()) -> Move:
     pid, held, why = target(snap)  # the tree or the card may have changed since the request
     if pid is None:
-        return Move(None, Phase.READY, (ResetProbes(),), result=_result(s, Result.REFUSED, why, now))
-    frozen = busy if busy is not None else 0
+        return Move(None, Phase.READY, (*actions, ResetProbes()), result=_result(s, Result.REFUSED, why, now))
     s = _to(s, Stage.CHECKPOINTING, now, target=pid, bytes=held, op_sent_at=now, frozen_requests=frozen)
-    return _stay(s, (SuspendEngine(pid, round(cfg.suspend.lock_timeout * 1000), frozen),))
+    return _stay(s, (*actions, SuspendEngine(pid, round(cfg.suspend.lock_timeout * 1000), frozen)))
 
 
 def _checkpointing(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
@@ -523,12 +557,46 @@ def _verifying(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: fl
     if not done:
         return _stay(s)
     if inf.ok:
-        after = f" (after: {s.error})" if s.error else ""  # a restore error the worker undid
-        result = _result(s, Result.RESUMED, f"pid {s.target} resumed, {_gib(s.bytes)} back on the GPU{after}", now) if s.resuming else None
-        return Move(None, Phase.READY, (SaveSuspension(None),), result=result)
+        if s.resuming and _comparable(s.baseline, cfg):
+            return _stay(_to(s, Stage.CANARY, now, op_sent_at=now, canary_retried=False), (SendCanary(CanaryPurpose.CHECK),))
+        return _ready(s, now)
     if inf.consecutive_failures >= cfg.watchdog.probe_failures:
         return _fail(s, f"{inf.consecutive_failures} inference probes failed after {what} ({inf.detail})", now)
     return _stay(s, (SendInferenceProbe(),))
+
+
+def _ready(s: Suspension, now: float, compared: canary.Comparison | None = None, note: str = "") -> Move:
+    after = f" (after: {s.error})" if s.error else ""  # a restore error the worker undid
+    text = f"pid {s.target} resumed, {_gib(s.bytes)} back on the GPU{after}{note}"
+    result = _result(s, Result.RESUMED, text, now) if s.resuming else None
+    return Move(None, Phase.READY, (SaveSuspension(None),), result=result, compared=compared)
+
+
+def _comparable(baseline: CanaryAnswer | None, cfg: Config) -> bool:
+    cc = cfg.canary
+    return cc.enabled and baseline is not None and canary.confident_prefix(baseline, cc.margin_threshold) >= cc.min_prefix
+
+
+def _canary(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
+    """The resumed engine must give back its known answer before it serves (/healthz 200)."""
+    if not snap.child.alive:
+        return _fail(s, "the engine exited after resume", now)
+    done = canary.result(snap.canary, s.op_sent_at, cfg.canary, now)
+    if done is None:
+        return _stay(s)
+    c = canary.compare(s.baseline, done.answer, cfg.canary) if done.answer is not None else None
+    again = c is None or c.verdict is canary.Verdict.INCONCLUSIVE
+    if again and not s.canary_retried:
+        return _stay(_to(s, Stage.CANARY, now, op_sent_at=now, canary_retried=True), (SendCanary(CanaryPurpose.CHECK),))
+    if c is None:
+        # The probe passed: the engine answers. The periodic canary checks it later.
+        return _ready(s, now, note=f"; the canary had no answer ({done.error}), the periodic check follows")
+    if c.verdict is not canary.Verdict.MISMATCH:
+        return _ready(s, now, c, "; the canary matched" if c.verdict is canary.Verdict.MATCH else "; the canary was inconclusive twice")
+    text = c.text(cfg.canary.prompt)
+    event = Condition("wrong_output", True, Severity.CRITICAL, f"the resumed engine serves wrong output: {text}; it restarts cold", event=True)
+    return Move(None, s.phase, (SaveSuspension(None),), result=_result(s, Result.FAILED, f"wrong output after resume: {text}; the engine restarts cold", now),
+                fail=(RestartReason.WRONG_OUTPUT, f"after resume: {text}"), event=event, compared=c)  # fmt: skip
 
 
 # ------------------------------------------------------------------ alerts

@@ -55,6 +55,14 @@ class RestartReason(enum.StrEnum):
     REQUESTED = "requested"  # r3090ctl restart, or a reload that changed the engine's settings
     SUSPEND_FAILED = "suspend_failed"  # the driver's checkpoint left the engine unable to serve
     RESUME_FAILED = "resume_failed"  # restore failed, or the resumed engine did not pass /health and a probe
+    WRONG_OUTPUT = "wrong_output"  # the known-answer canary differs from the engine's baseline (core.canary)
+
+
+class CanaryPurpose(enum.StrEnum):
+    """What a canary is sent for."""
+
+    BASELINE = "baseline"  # the engine's known answer, taken when nothing else runs
+    CHECK = "check"  # a comparison with the baseline
 
 
 # The fast freeze detectors: their windows widen when they trip twice in a row (core.policy).

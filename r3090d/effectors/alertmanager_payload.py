@@ -66,6 +66,7 @@ PREFLIGHT_FAILED = "preflight_failed"
 EVENT_KEYS = frozenset({
     "engine_restarted", "suspended_engine_lost", "test",
     "gpu_xid_application", "gpu_xid_row_remap", "gpu_xid_unknown",
+    "wrong_output", "canary_start_mismatch", "canary_prompt_unusable",
 })  # fmt: skip
 
 

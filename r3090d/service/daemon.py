@@ -24,14 +24,23 @@ from r3090d import argv as argvmod
 from r3090d.atomicfile import write_json_atomic
 from r3090d.config import Config
 from r3090d.core import policy
-from r3090d.core.actions import Exit, RecordRestart, SendAlert, SendInferenceProbe, StartEngine, StopEngine
+from r3090d.core.actions import (
+    Exit,
+    RecordRestart,
+    SaveBaseline,
+    SendAlert,
+    SendCanary,
+    SendInferenceProbe,
+    StartEngine,
+    StopEngine,
+)
 from r3090d.core.snapshot import Snapshot
 from r3090d.core.vocabulary import Phase
 from r3090d.effectors import alertformat
 from r3090d.effectors.child import DRAIN_MARGIN_S, EngineProcess
 from r3090d.effectors.reaper import ChildReaper
 from r3090d.effectors.systemd import Notifier, watchdog_warning
-from r3090d.service import commands, forensics, resethold, safedir
+from r3090d.service import baselines, commands, forensics, resethold, safedir
 from r3090d.service.control import start_plane
 from r3090d.service.exporter import TickStats
 from r3090d.service.preflight_runner import PreflightRunner
@@ -94,6 +103,8 @@ class Daemon:
         self.control_queue: queue.SimpleQueue = queue.SimpleQueue()
         self.latest_doc: dict | None = None  # the last state document written
         self.gpu_identity: tuple | None = None  # (name, index, uuid) named in alerts, once NVML has answered
+        self.baselines = baselines.BaselineStore(self.state_dir)
+        self.baseline_deps: dict | None = None  # what the current engine's canary baseline depends on
         self.tick_stats = TickStats()  # tick-duration histogram for the exporter
         self.boot_id = resethold.boot_id()
         self.st = policy.initial_state(time.monotonic())
@@ -167,6 +178,9 @@ class Daemon:
             if isinstance(action, StartEngine):
                 log.info("starting engine (%s)", action.reason)
                 self.sampler.prober.reset()
+                gpu_name = self.gpu_identity[0] if self.gpu_identity else None
+                self.baseline_deps = baselines.dependencies(self.cfg, self.argv, self.engine_version, gpu_name)
+                self.sampler.canary.reset(self.baselines.load(self.baseline_deps) if self.cfg.canary.enabled else None)
                 env = argvmod.engine_env(self.cfg, dict(os.environ))
                 self.engine.spawn(self.argv, env)
             elif isinstance(action, StopEngine):
@@ -183,6 +197,13 @@ class Daemon:
                     self.alerts.submit(action)
             elif isinstance(action, SendInferenceProbe):
                 self.sampler.prober.send()
+            elif isinstance(action, SendCanary):
+                self.sampler.canary.send(action.purpose)
+            elif isinstance(action, SaveBaseline):
+                if self.baseline_deps is None:  # an engine this daemon did not start (resumed from an earlier one)
+                    gpu_name = self.gpu_identity[0] if self.gpu_identity else None
+                    self.baseline_deps = baselines.dependencies(self.cfg, self.argv, self.engine_version, gpu_name)
+                self.baselines.save(self.baseline_deps, action.answer)
             elif isinstance(action, Exit):
                 exit_code = action.code
                 if action.code == exitcodes.GAVE_UP:

@@ -16,6 +16,7 @@ from r3090d.config import Config
 from r3090d.core.snapshot import GpuSample, GpuStatus, HealthSample, HealthStatus, MetricsSample, Snapshot
 from r3090d.core.vocabulary import SUSPEND_PHASES, Phase
 from r3090d.effectors.child import EngineProcess
+from r3090d.probes.canary import CanaryProber
 from r3090d.probes.engine import EngineProbe
 from r3090d.probes.inference import InferenceProber
 from r3090d.service.commands import Pending
@@ -33,6 +34,7 @@ class Sampler:
         self.suspend = suspend  # r3090d.service.suspend.SuspendService, or None
         self.last_metrics_text: str | None = None  # kept for the restart records
         self.prober: InferenceProber | None = None
+        self.canary: CanaryProber | None = None
         self.configure(cfg)
 
     def configure(self, cfg: Config) -> None:
@@ -42,6 +44,8 @@ class Sampler:
         # The count of probes sent carries over: the engine's completed requests still hold them.
         sent = self.prober.sent_total if self.prober is not None else 0
         self.prober = InferenceProber(cfg.engine_url, cfg.model_name, cfg.api_key, wd.probe_timeout, wake=self.wake, sent_before=sent)
+        sent = self.canary.sent_total if self.canary is not None else 0
+        self.canary = CanaryProber(cfg.engine_url, cfg.model_name, cfg.api_key, cfg.canary, wake=self.wake, sent_before=sent)
 
     def gpu(self) -> GpuSample:
         return self.gpu_monitor.latest(time.monotonic()) if self.gpu_monitor else GpuSample(GpuStatus.DISABLED)
@@ -70,6 +74,7 @@ class Sampler:
             metrics=metrics,
             gpu=gpu,
             inference=self.prober.sample(),
+            canary=self.canary.sample(),
             shutdown_requested=shutdown,
             restart_requested=restart,
             maintenance=maintenance,

@@ -41,13 +41,14 @@ from r3090d.core.actions import (
     SuspendRecord,
 )
 from r3090d.core.policy import PolicyState
-from r3090d.core.snapshot import ChildSample, GpuSample, Snapshot
+from r3090d.core.snapshot import CanaryAnswer, ChildSample, GpuSample, Snapshot
 from r3090d.core.suspend_types import Op, SuspendSample
 from r3090d.core.suspension import HOW_TO_RESUME, Result, Stage, SuspendResult
 from r3090d.core.vocabulary import SUSPEND_PHASES
 from r3090d.effectors.launcher import LauncherChannel
 from r3090d.effectors.suspender import Suspender
 from r3090d.effectors.suspender_worker import Command
+from r3090d.service.baselines import answer_from_json, answer_to_json
 from r3090d.service.state import read_json
 from r3090d.service.statedoc import STANDING_STAGES, LastRequest, SuspendInfo, WorkerInfo, WorkerStep
 
@@ -55,6 +56,15 @@ log = logging.getLogger("r3090d")
 
 SUSPENDED_FILE = "suspended.json"
 RECORD_FORMAT = 1
+
+
+def _baseline(raw) -> CanaryAnswer | None:
+    """The canary's baseline kept with the suspension; one that does not read is dropped (the resume then skips the canary)."""
+    try:
+        return answer_from_json(raw) if raw is not None else None
+    except ValueError:
+        log.warning("the suspension's canary baseline is unreadable: the resume is not compared")
+        return None
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -129,7 +139,8 @@ class SuspendService:
             return
         engine_pid = record.engine_pid
         data = {"format": RECORD_FORMAT, "pid": record.pid, "engine_pid": engine_pid, "bytes": record.bytes, "since": record.since,
-                "engine_started": _start_ticks(engine_pid) if engine_pid else None}  # fmt: skip
+                "engine_started": _start_ticks(engine_pid) if engine_pid else None,
+                "baseline": answer_to_json(record.baseline) if record.baseline is not None else None}  # fmt: skip
         try:
             write_json_atomic(self.path, data)
         except OSError as exc:
@@ -141,7 +152,8 @@ class SuspendService:
             return None
         raw = read_json(self.path)
         try:
-            record = SuspendRecord(pid=int(raw["pid"]), engine_pid=raw.get("engine_pid"), bytes=int(raw["bytes"]), since=float(raw["since"]))
+            record = SuspendRecord(pid=int(raw["pid"]), engine_pid=raw.get("engine_pid"), bytes=int(raw["bytes"]), since=float(raw["since"]),
+                                   baseline=_baseline(raw.get("baseline")))  # fmt: skip
             if record.bytes < 0 or record.pid < 0 or not (record.engine_pid is None or isinstance(record.engine_pid, int)):
                 raise ValueError("out of range")
         except (TypeError, KeyError, ValueError):

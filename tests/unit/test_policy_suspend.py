@@ -43,8 +43,10 @@ TREE = (API, CORE, 102)
 HELD = 15 * GIB
 
 
-def cfg(*, suspend=None, watchdog=None, gpu_required=True, extra_args=(), alerts=None) -> config.Config:
+def cfg(*, suspend=None, watchdog=None, gpu_required=True, extra_args=(), alerts=None, canary=None) -> config.Config:
+    """The stage machine alone: the canary's stages are tested in test_policy_canary.py."""
     return bare_config(
+        canary={"enabled": False, **(canary or {})},
         engine={"extra_args": list(extra_args)},
         gpu={"required": gpu_required},
         watchdog={"lb_grace": 2.0, "stall_seconds": 10.0, "gpu_memory_alert_mib": 20000, **(watchdog or {})},
