@@ -33,7 +33,7 @@ kernels across processes.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from r3090d.config.schema import CanaryConfig, Config
 from r3090d.core.actions import Action, SaveBaseline, SendCanary
@@ -240,42 +240,3 @@ def _compared(cs: CanaryState, answer: CanaryAnswer, snap: Snapshot, cfg: Config
     then = "the engine is restarted" if restart else "canary.restart_on_mismatch is false (or maintenance is on): the engine keeps serving"
     event = Condition("wrong_output", True, Severity.CRITICAL, f"the engine serves wrong output: {c.text(cc.prompt)}; {then}", event=True)
     return Step(cs, (), (event,), restart=c.text(cc.prompt) if restart else None)
-
-
-@dataclass(frozen=True)
-class CanaryView:
-    """What status and the exporter show."""
-
-    enabled: bool
-    checks: int = 0
-    mismatches: int = 0
-    inconclusive: int = 0
-    errors: int = 0
-    last_match_wall: float | None = None
-    last_ok_wall: float | None = None
-    last_margin: float | None = None
-    last_verdict: str | None = None
-    last_mismatch: str | None = None
-    last_mismatch_wall: float | None = None
-    baseline_tokens: int | None = None  # the baseline's confident prefix; None: no baseline yet
-    interval: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-
-def view(cs: CanaryState, cfg: Config) -> CanaryView:
-    cc = cfg.canary
-    return CanaryView(
-        enabled=cc.enabled,
-        checks=cs.checks,
-        mismatches=cs.mismatches,
-        inconclusive=cs.inconclusive,
-        errors=cs.errors,
-        last_match_wall=cs.last_match_wall,
-        last_ok_wall=cs.last_ok_wall,
-        last_margin=cs.last_margin,
-        last_verdict=cs.last.verdict.value if cs.last else None,
-        last_mismatch=cs.last_mismatch.text(cc.prompt) if cs.last_mismatch else None,
-        last_mismatch_wall=cs.last_mismatch_wall,
-        baseline_tokens=confident_prefix(cs.baseline, cc.margin_threshold) if cs.baseline else None,
-        interval=cc.interval,
-    )

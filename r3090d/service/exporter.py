@@ -160,6 +160,35 @@ def _healing_families(d: StateDocument) -> list:
     return out
 
 
+def _canary_families(d: StateDocument) -> list:
+    """The known-answer canary: when it last matched, and what it found (absent while it is off)."""
+    c = d.canary
+    if not c.enabled:
+        return []
+    out = []
+    for name, help_, value in (
+        ("r3090d_canary_last_match_timestamp_seconds", "Unix time the canary last matched the engine's baseline (absent: never)", c.last_match_at),
+        ("r3090d_canary_last_ok_timestamp_seconds", "Unix time of the last canary that matched or was inconclusive (nothing wrong seen; absent: never)", c.last_ok_at),
+        ("r3090d_canary_last_margin_nats", "the baseline's top-1 minus top-2 log-probability where the last comparison was decided", c.last_margin),
+        ("r3090d_canary_interval_seconds", "how often the canary compares while the engine is ready (canary.interval)", c.interval_s),
+        ("r3090d_canary_baseline_tokens", "tokens of the baseline compared (its confident prefix; absent: no baseline yet)", c.baseline_tokens),
+    ):
+        fam = GaugeMetricFamily(name, help_)
+        if value is not None:
+            fam.add_metric([], float(value))
+        out.append(fam)
+    for name, help_, value in (
+        ("r3090d_canary_checks", "canary comparisons that ended since the daemon started", c.checks),
+        ("r3090d_canary_mismatches", "canary comparisons that found wrong output", c.mismatches),
+        ("r3090d_canary_inconclusive", "canary comparisons that differed only at a near tie, twice", c.inconclusive),
+        ("r3090d_canary_errors", "canaries that got no answer (never a restart)", c.errors),
+    ):
+        fam = CounterMetricFamily(name, help_)
+        fam.add_metric([], float(value))
+        out.append(fam)
+    return out
+
+
 # Stands in for a GPU that cannot be read (or is not watched): every measurement unknown, so its gauges are left out.
 NO_READING = GpuSample(GpuStatus.DISABLED)
 
@@ -218,6 +247,7 @@ def families(doc: StateDocument | dict | None, now: float) -> list:
     gauge("r3090d_engine_restart_storm_threshold", "recent restarts at which r3090d's restart_storm alert fires (watchdog.restart_storm_restarts)", thresholds.restart_storm_restarts)
     gauge("r3090d_engine_restart_storm_window_seconds", "the window recent restarts are counted in (watchdog.restart_storm_window)", thresholds.restart_storm_window_s)
     out.extend(_healing_families(d))
+    out.extend(_canary_families(d))
 
     gauge("r3090d_kv_free_blocks", "free KV cache blocks: (num_gpu_blocks - 1) x (1 - usage)", metrics.free_blocks)
     gauge("r3090d_kv_free_blocks_threshold", "the KV rule's bound (watchdog.min_free_blocks): fewer free blocks than this is low", thresholds.kv_min_free_blocks)

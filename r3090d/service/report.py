@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from r3090d.config import MIB, Config
+from r3090d.core import canary
 from r3090d.core.alerting import AlertBook
 from r3090d.core.policy import PolicyState
 from r3090d.core.snapshot import Snapshot
@@ -20,6 +21,7 @@ from r3090d.service.state import BOOK_TIME_FIELDS
 from r3090d.service.statedoc import (
     AlertBookInfo,
     AlertsInfo,
+    CanaryInfo,
     DaemonIdentity,
     DaemonInfo,
     EngineInfo,
@@ -104,6 +106,26 @@ def report(
         telemetry=parse_section(Telemetry, telemetry) or Telemetry(),
         suspend=suspend,
         healing=healing_info(st, cfg, offset),
+        canary=canary_info(st, cfg),
+    )
+
+
+def canary_info(st: PolicyState, cfg: Config) -> CanaryInfo:
+    cs, cc = st.canary, cfg.canary
+    return CanaryInfo(
+        enabled=cc.enabled,
+        interval_s=cc.interval,
+        baseline_tokens=canary.confident_prefix(cs.baseline, cc.margin_threshold) if cs.baseline else None,
+        checks=cs.checks,
+        mismatches=cs.mismatches,
+        inconclusive=cs.inconclusive,
+        errors=cs.errors,
+        last_verdict=cs.last.verdict.value if cs.last else None,
+        last_match_at=cs.last_match_wall,
+        last_ok_at=cs.last_ok_wall,
+        last_margin=cs.last_margin,
+        last_mismatch=cs.last_mismatch.text(cc.prompt) if cs.last_mismatch else None,
+        last_mismatch_at=cs.last_mismatch_wall,
     )
 
 

@@ -138,6 +138,25 @@ class HealingInfo:
 
 
 @dataclass(frozen=True)
+class CanaryInfo:
+    """The known-answer canary (core.canary): its counters, and when it last matched."""
+
+    enabled: bool = False
+    interval_s: float = 0.0
+    baseline_tokens: int | None = None  # the baseline's confident prefix; None: no baseline yet
+    checks: int = 0
+    mismatches: int = 0
+    inconclusive: int = 0
+    errors: int = 0
+    last_verdict: str | None = None
+    last_match_at: float | None = None  # wall clock
+    last_ok_at: float | None = None  # wall clock of the last match or inconclusive comparison
+    last_margin: float | None = None  # nats: the baseline's margin where the last comparison was decided
+    last_mismatch: str | None = None
+    last_mismatch_at: float | None = None
+
+
+@dataclass(frozen=True)
 class ProbeInfo:
     ok: bool | None = None
     latency_s: float | None = None
@@ -301,6 +320,7 @@ class StateDocument:
     waiting: WaitingInfo | None = None
     suspend: SuspendInfo | None = None  # None: written by preflight, or by a daemon without suspend
     healing: HealingInfo = field(default_factory=HealingInfo)
+    canary: CanaryInfo = field(default_factory=CanaryInfo)
 
     def to_json(self) -> dict:
         return _to_json(self)

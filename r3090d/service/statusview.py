@@ -22,7 +22,7 @@ from r3090d import exitcodes
 from r3090d.core.snapshot import GpuSample, GpuStatus
 from r3090d.core.suspension import Stage
 from r3090d.core.vocabulary import Phase, Severity
-from r3090d.service.statedoc import StateDocument, SuspendInfo, parse_section, view
+from r3090d.service.statedoc import CanaryInfo, StateDocument, SuspendInfo, parse_section, view
 from r3090d.units import GIB, MIB
 
 LABELS = {exitcodes.OK: "OK", exitcodes.WARNING: "WARNING", exitcodes.CRITICAL: "CRITICAL", exitcodes.UNKNOWN: "UNKNOWN"}
@@ -167,6 +167,7 @@ def panel(doc: StateDocument | dict, verdict: HealthVerdict, now: float, *, note
     else:
         lines.append("KV cache   -")
     lines.append("GPU        " + gpu_line(d.gpu))
+    lines.extend(canary_lines(d.canary, now))
     if restarts.total:
         by = ", ".join(f"{k} {v}" for k, v in sorted(restarts.by_reason.items()))
         last_at = restarts.last_at
@@ -187,6 +188,20 @@ def panel(doc: StateDocument | dict, verdict: HealthVerdict, now: float, *, note
     for key, until in sorted(muted.items()):
         lines.append(f"Silenced   {key} until {clock(until)} ({ago(until - now)} left)")
     lines.append(f"Status     {verdict.line()}")
+    return lines
+
+
+def canary_lines(c: CanaryInfo, now: float) -> list[str]:
+    """The known-answer canary: when it last matched, its counts, and the last mismatch."""
+    if not c.enabled:
+        return ["Canary     off (canary.enabled = false)"]
+    if c.baseline_tokens is None:
+        return ["Canary     no baseline yet (taken once nothing else runs)"]
+    matched = f"last match {clock(c.last_match_at)} ({ago(now - c.last_match_at)} ago)" if c.last_match_at else "no match yet"
+    counts = f"{c.checks} checks, {c.mismatches} mismatches, {c.inconclusive} inconclusive, {c.errors} without answer"
+    lines = [f"Canary     {matched}; {counts}; baseline compared over {c.baseline_tokens} token(s)"]
+    if c.last_mismatch:
+        lines.append(f"Mismatch   {clock(c.last_mismatch_at)}: {c.last_mismatch}")
     return lines
 
 

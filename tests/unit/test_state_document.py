@@ -114,6 +114,7 @@ def test_the_document_keeps_its_shape():
     assert set(FULL) == {
         "written_at", "daemon", "engine", "restarts", "next_action", "watch", "give_up_reason", "xid_seen", "health", "inference",
         "thresholds", "metrics", "gpu", "alerts", "alert_book", "preflight", "telemetry", "format", "waiting", "suspend", "healing",
+        "canary",
     }  # fmt: skip
     assert FULL["format"] == FORMAT_VERSION and FULL["engine"]["phase"] == "ready" and "phase_text" not in FULL["engine"]
     assert FULL["alerts"]["firing"]["gpu_memory"] == {"severity": "critical", "summary": "GPU memory 23.9 GiB", "since": NOW - 10}
