@@ -44,6 +44,9 @@ MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 DEFAULT_MARGIN = 3.0  # nats between top-1 and top-2, unless canary_margins says otherwise
 MAX_MARGIN = 100.0
 LOGGED_PROMPT_CHARS = 200
+# A directory of worker-*.json status files (bench/gpu_engine_standin.py): when set, greedy answers also
+# depend on the "checksum" in the newest one, so they change when the worker's weights do.
+ENV_ANSWER_SALT_DIR = "FAKE_VLLM_ANSWER_SALT_DIR"
 
 
 def _load_sibling(name: str):
@@ -542,6 +545,26 @@ def ranked_logprobs(margin: float, k: int) -> list[float]:
     return [first] + [first - margin - j for j in range(k - 1)]
 
 
+def answer_salt() -> bytes:
+    """The checksum of the newest worker-*.json in $FAKE_VLLM_ANSWER_SALT_DIR, as bytes; b"" when unset or unreadable."""
+    where = os.environ.get(ENV_ANSWER_SALT_DIR)
+    if not where:
+        return b""
+    newest = None
+    for path in Path(where).glob("worker-*.json"):
+        try:
+            mtime = path.stat().st_mtime_ns
+        except OSError:
+            continue  # replaced under us
+        if newest is None or mtime > newest[0]:
+            newest = (mtime, path)
+    try:
+        checksum = json.loads(newest[1].read_text()).get("checksum") if newest else None
+    except (OSError, ValueError, AttributeError):
+        return b""
+    return b"" if checksum is None else str(checksum).encode()
+
+
 def logged_body(body: dict) -> dict:
     """A request's fields as the request log keeps them: the prompt cut short, no messages (it holds thousands)."""
     fields = {k: v for k, v in body.items() if k not in ("prompt", "messages")}
@@ -565,7 +588,7 @@ class Answer:
         prompt = body.get("messages") if chat else body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # ["text"] is the prompt "text"
-        self.key = hashlib.blake2b(json.dumps(prompt, sort_keys=True).encode(), digest_size=8).digest() if greedy else None
+        self.key = hashlib.blake2b(json.dumps(prompt, sort_keys=True).encode() + answer_salt(), digest_size=8).digest() if greedy else None
         self.k = None if chat else body.get("logprobs")
         self.as_ids = bool(body.get("return_tokens_as_token_ids"))
         with behaviour.lock:
