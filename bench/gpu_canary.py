@@ -46,6 +46,13 @@ fake driver holds checkpointed) and the checkpoint calls are tests/fakecuda
 (lock SIGSTOPs the worker, unlock SIGCONTs it): the whole path can be checked on
 a host without a GPU. Its times say nothing about a GPU.
 
+One run on an H200 (driver 580, torch 2.11, 2026-12-02; the defaults: 4 GiB of
+weights, interval 10 s, poll 0.5 s, hold 3 s): suspend 4.92 s (4.7 GiB freed),
+resume 2.84 s with the canary matched, last_verdict match, restarts 0; the flip
+(8 x bit 14) changed the checksum and was caught 10.12 s after it, reason
+wrong_output; the fresh worker's checksum was the original one, its periodic
+check matched, no canary_start_mismatch.
+
 Progress goes to stderr, the table to stdout. Exit 0 when every step did what
 it should, 1 otherwise, 69 when this host cannot run it.
 """
@@ -77,7 +84,7 @@ CANARY_TIMEOUT_S = 10.0
 DRAIN_TIMEOUT_S = 3.0
 LB_GRACE_S = 1.0
 SETTLE_S = 10.0
-REQUEST_LOG_EVERY_S = 0.25
+REQUEST_LOG_EVERY_S = 0.05  # the canary is sent and decided within about 0.2 s, then the engine (and its log) goes
 
 
 @dataclass(frozen=True)
