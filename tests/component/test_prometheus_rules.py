@@ -44,7 +44,7 @@ def exported_names() -> set[str]:
     doc = {
         "written_at": 0.0,
         "daemon": {"version": "x", "poll_interval": 2.0},
-        "engine": {"phase": "ready", "maintenance": False, "ready_since": 0.0, "model": "m"},
+        "engine": {"phase": "ready", "maintenance": False, "ready_since": 1.0, "model": "m"},
         "restarts": {"by_reason": {"kv": 1}, "backoff_level": 0, "recent": 1},
         "health": {"status": "ok"},
         "inference": {"ok": True, "latency_s": 0.5, "finished_at": 0.5},
@@ -65,6 +65,7 @@ def exported_names() -> set[str]:
         "telemetry": stats.to_json(),
         "suspend": {"stage": "suspended", "since": 0.0, "gpu_bytes": 1, "host_rss_bytes": 2},
         "healing": {"reset_hold": "XID 79", "retry_attempts": 1, "next_retry_at": 5.0, "xid_by_class": {"reset": 1}},
+        "canary": {"enabled": True, "interval_s": 600.0, "baseline_tokens": 16, "last_match_at": 1.0, "last_ok_at": 1.0, "last_margin": 2.0},
     }
     registry = CollectorRegistry(auto_describe=False)
     registry.register(exporter.StateCollector(lambda: doc, clock=lambda: 1.0))
@@ -321,6 +322,25 @@ CASES = [
         start=1,
         labels=FIRING_JOB,
         annotations={"summary": "requests waiting on gpu0 with the KV cache over 90 %"},
+    ),
+    AlertCase(
+        "R3090dCanaryNoMatch",
+        # Ready since minute 0, canary.interval 10 min: the last match at minute 10, then mismatches only.
+        # 31 min without one at minute 41.
+        series=(
+            (sel("r3090d_engine_ready_timestamp_seconds", FIRING), "0+0x60"),
+            (sel("r3090d_canary_interval_seconds", FIRING), "600+0x60"),
+            (sel("r3090d_canary_last_ok_timestamp_seconds", FIRING), "0+0x9 600+0x50"),
+        ),
+        # A busy box: every comparison inconclusive, each one seen as nothing wrong, every 10 min.
+        quiet=(
+            (sel("r3090d_engine_ready_timestamp_seconds", QUIET), "0+0x60"),
+            (sel("r3090d_canary_interval_seconds", QUIET), "600+0x60"),
+            (sel("r3090d_canary_last_ok_timestamp_seconds", QUIET), "0+0x9 600+0x9 1200+0x9 1800+0x9 2400+0x9 3000+0x9 3600+0x9"),
+        ),
+        start=41,
+        labels=FIRING_JOB,
+        annotations={"summary": "the canary on gpu0 has not matched for 31m 0s"},
     ),
     AlertCase(
         "R3090dGpuLost",
