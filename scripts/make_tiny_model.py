@@ -2,17 +2,26 @@
 """Write a tiny Qwen2 model directory that a real vLLM can serve on CPU.
 
     python3 scripts/make_tiny_model.py OUTDIR
+    python3 scripts/make_tiny_model.py --weights OUTDIR
 
 The directory has a config, a byte-level BPE tokenizer trained here from
-generated text, a ChatML chat template and a generation config, but no
-weights: serve it with `--load-format dummy` (random weights). Nothing is
-downloaded, and the same OUTDIR contents come out on every run.
+generated text, a ChatML chat template and a generation config. Without
+--weights it has no weights: serve it with `--load-format dummy` (random
+weights whose near-uniform logits make every greedy step a near tie). With
+--weights it also has model.safetensors, seeded random weights scaled so that
+greedy decoding has clear margins, as a trained model's has: serve it without
+--load-format. Nothing is downloaded, and the same OUTDIR contents come out on
+every run.
 
 Shape choices, and why:
 - head_dim 64 (hidden 256 / 4 heads): vLLM's CPU attention path kills the
   engine with smaller heads.
-- 2 layers x 2 KV heads x head_dim 64 in bfloat16 gives exactly 1024 bytes of
-  KV cache per token (2 x 2 x 2 x 64 x 2), so KV sizes map to token counts
+- float32, served with `--dtype float32`: vLLM's bfloat16 path on CPU picks
+  its kernels by the CPU's features (AVX-512 BF16, AMX, or emulation), so a
+  bfloat16 model is served by different code on different hosts; float32 takes
+  the same path on every x86-64 CPU.
+- 2 layers x 1 KV head x head_dim 64 in float32 gives exactly 1024 bytes of
+  KV cache per token (2 x 2 x 1 x 64 x 4), so KV sizes map to token counts
   with plain powers of two.
 - The vocabulary is a multiple of 64 and every id in it is a real token, so a
   randomly sampled id always decodes.
@@ -30,14 +39,27 @@ from pathlib import Path
 VOCAB_SIZE = 2048  # a multiple of 64
 HIDDEN_SIZE = 256
 NUM_HEADS = 4
-NUM_KV_HEADS = 2
+NUM_KV_HEADS = 1
 NUM_LAYERS = 2
 INTERMEDIATE_SIZE = 512
 MAX_POSITIONS = 4096
-DTYPE = "bfloat16"
-DTYPE_BYTES = 2
+DTYPE = "float32"
+DTYPE_BYTES = 4
 HEAD_DIM = HIDDEN_SIZE // NUM_HEADS
 KV_BYTES_PER_TOKEN = 2 * NUM_LAYERS * NUM_KV_HEADS * HEAD_DIM * DTYPE_BYTES
+
+# --weights: every matrix N(0, WEIGHT_STD), as a trained model's initializer
+# leaves it, except the two ends. The final RMSNorm hands lm_head a vector of
+# RMS 1 (norm 16 at hidden 256), so lm_head rows of standard deviation
+# LM_HEAD_STD give logits of standard deviation about 16 x LM_HEAD_STD; the gap
+# between the two largest of 2048 such logits, the greedy margin, is then
+# mostly a few nats. Embeddings of standard deviation EMBED_STD keep the
+# current token's identity strong in the residual stream, as in a trained model.
+WEIGHTS_FILE = "model.safetensors"
+WEIGHT_SEED = 3090
+WEIGHT_STD = 0.02
+EMBED_STD = 1.0
+LM_HEAD_STD = 0.7
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -110,13 +132,64 @@ def train_tokenizer():
     return tok
 
 
-def write_model(outdir: Path) -> None:
+def weight_shapes() -> dict[str, tuple[int, ...]]:
+    """Qwen2ForCausalLM's tensors by their checkpoint names (vLLM's and transformers' loaders read these)."""
+    q, kv = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB_SIZE, HIDDEN_SIZE)}
+    for i in range(NUM_LAYERS):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (HIDDEN_SIZE,),
+            p + "self_attn.q_proj.weight": (q, HIDDEN_SIZE),
+            p + "self_attn.q_proj.bias": (q,),
+            p + "self_attn.k_proj.weight": (kv, HIDDEN_SIZE),
+            p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.weight": (kv, HIDDEN_SIZE),
+            p + "self_attn.v_proj.bias": (kv,),
+            p + "self_attn.o_proj.weight": (HIDDEN_SIZE, q),
+            p + "post_attention_layernorm.weight": (HIDDEN_SIZE,),
+            p + "mlp.gate_proj.weight": (INTERMEDIATE_SIZE, HIDDEN_SIZE),
+            p + "mlp.up_proj.weight": (INTERMEDIATE_SIZE, HIDDEN_SIZE),
+            p + "mlp.down_proj.weight": (HIDDEN_SIZE, INTERMEDIATE_SIZE),
+        }
+    shapes |= {"model.norm.weight": (HIDDEN_SIZE,), "lm_head.weight": (VOCAB_SIZE, HIDDEN_SIZE)}
+    return shapes
+
+
+def seeded_weights(seed: int = WEIGHT_SEED) -> dict:
+    """name -> float32 array: norms 1, biases 0, embeddings and lm_head scaled (see LM_HEAD_STD), the rest N(0, WEIGHT_STD).
+
+    Each tensor has its own generator, seeded from `seed` and its name, so a
+    tensor does not change when another is added or reshaped."""
+    import zlib
+
+    import numpy as np
+
+    out = {}
+    for name, shape in weight_shapes().items():
+        if name.endswith("norm.weight"):
+            out[name] = np.ones(shape, dtype=np.float32)
+        elif name.endswith(".bias"):
+            out[name] = np.zeros(shape, dtype=np.float32)
+        else:
+            std = {"model.embed_tokens.weight": EMBED_STD, "lm_head.weight": LM_HEAD_STD}.get(name, WEIGHT_STD)
+            rng = np.random.Generator(np.random.PCG64([seed, zlib.crc32(name.encode())]))
+            out[name] = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+    return out
+
+
+def write_model(outdir: Path, weights: bool = False) -> None:
     """Write into a sibling temporary directory, then swap it in: an interrupted run leaves no half model."""
     outdir = outdir.resolve()
     staging = outdir.with_name(outdir.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     _write_files(staging)
+    if weights:
+        from safetensors.numpy import save_file
+
+        save_file(seeded_weights(), str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        (staging / WEIGHTS_FILE).chmod(0o644)  # written owner-only; the service user reads it like the rest
     if outdir.exists():
         shutil.rmtree(outdir)
     staging.rename(outdir)
@@ -190,18 +263,23 @@ def _write_files(outdir: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("outdir", type=Path, help="directory to write (created if missing)")
+    parser.add_argument("--weights", action="store_true",
+                        help=f"also write {WEIGHTS_FILE}: seeded weights with clear greedy margins (serve without --load-format dummy)")  # fmt: skip
     args = parser.parse_args(argv)
+    needed = ["tokenizers", *(["numpy", "safetensors"] if args.weights else [])]
+    for package in needed:
+        try:
+            __import__(package)
+        except ImportError:
+            print(f"make_tiny_model: the '{package}' package is missing (pip install {package})", file=sys.stderr)
+            return 69  # EX_UNAVAILABLE
     try:
-        import tokenizers  # noqa: F401
-    except ImportError:
-        print("make_tiny_model: the 'tokenizers' package is missing (pip install tokenizers)", file=sys.stderr)
-        return 69  # EX_UNAVAILABLE
-    try:
-        write_model(args.outdir)
+        write_model(args.outdir, weights=args.weights)
     except OSError as exc:
         print(f"make_tiny_model: cannot write {args.outdir}: {exc.strerror}", file=sys.stderr)
         return 73  # EX_CANTCREAT
-    print(f"tiny Qwen2 model written to {args.outdir} (vocab {VOCAB_SIZE}, {KV_BYTES_PER_TOKEN} KV bytes per token)")
+    kind = f"seeded weights (seed {WEIGHT_SEED})" if args.weights else "no weights: serve with --load-format dummy"
+    print(f"tiny Qwen2 model written to {args.outdir} (vocab {VOCAB_SIZE}, {DTYPE}, {KV_BYTES_PER_TOKEN} KV bytes per token, {kind})")
     return 0
 
 

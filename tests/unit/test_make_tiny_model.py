@@ -53,8 +53,10 @@ def test_shape_suits_the_cpu_attention_path(model_dir):
     assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
     assert cfg["vocab_size"] % 64 == 0
     assert cfg["tie_word_embeddings"] is False
-    kv_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
-    assert kv_bytes == 1024  # bfloat16: a GiB of KV is exactly 2**20 tokens
+    # float32: the one dtype that vLLM's CPU path serves with the same kernels on every x86-64 CPU.
+    assert cfg["torch_dtype"] == "float32"
+    kv_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    assert kv_bytes == 1024  # a GiB of KV is exactly 2**20 tokens
 
 
 def test_every_model_id_decodes_and_specials_are_single_tokens(model_dir):
@@ -81,3 +83,24 @@ def test_unwritable_outdir_is_a_clear_error(script, tmp_path, capsys):
     blocker.write_text("x")
     assert script.main([str(blocker / "model")]) == 73
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_weights_are_seeded_complete_and_give_clear_greedy_margins(script, tmp_path):
+    np = pytest.importorskip("numpy")
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    out, again = tmp_path / "w", tmp_path / "w2"
+    assert script.main(["--weights", str(out)]) == 0
+    assert script.main(["--weights", str(again)]) == 0
+    assert (out / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+    weights = safetensors_numpy.load_file(str(out / "model.safetensors"))
+    assert {k: v.shape for k, v in weights.items()} == script.weight_shapes()
+    assert {v.dtype for v in weights.values()} == {np.dtype("float32")}
+    # The margin between the two largest logits for final hidden states of RMS 1 (what the final
+    # RMSNorm hands lm_head): mostly well above the near-zero of dummy weights.
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((256, script.HIDDEN_SIZE)).astype(np.float32)
+    logits = hidden @ weights["lm_head.weight"].T
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    margins = top2[:, 1] - top2[:, 0]
+    assert 1.0 < np.median(margins) < 5.0
+    assert (margins > 0.5).mean() > 0.7
