@@ -35,13 +35,19 @@ OFFLINE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
+# The dtype the tiny model is written in and served in. vLLM's bfloat16 path on CPU
+# picks its kernels by the CPU's features (AVX-512 BF16, AMX, or emulation), so a
+# bfloat16 engine runs different code on different hosts; float32 runs the same
+# kernels on every x86-64 CPU. The KV cache takes this dtype too.
+CPU_DTYPE = "float32"
 # Random weights, no torch.compile: ready in about a minute on 2 cores.
-CPU_EXTRA_ARGS = ["--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16"]
+CPU_EXTRA_ARGS = ["--load-format", "dummy", "--enforce-eager", "--dtype", CPU_DTYPE]
 # With the tiny model on 2 cores, vLLM's API server is the bottleneck: the engine
 # finishes a request long before its stream has been sent, then idles. This wider,
-# deeper variant (random weights, 4x the width, 4 layers) decodes about 55 tokens/s
-# here, a fifth of what the API server can stream, so requests stay in the engine
-# for as long as they would on a busy GPU server. Its load time is about the same.
+# deeper variant (random weights, 4x the width, 4 layers) decodes about 40 tokens/s
+# in float32 on 2 AVX-512 cores, a fraction of what the API server can stream, so
+# requests stay in the engine for as long as they would on a busy GPU server. Its
+# load time is about the same.
 ENGINE_BOUND_ARGS = [
     "--hf-overrides",
     json.dumps({"hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 4096, "num_hidden_layers": 4}),

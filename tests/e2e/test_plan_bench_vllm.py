@@ -22,6 +22,7 @@ import pytest
 
 from tests.e2e.real_vllm import (
     CPU_BLOCK_SIZE,
+    CPU_DTYPE,
     CPU_EXTRA_ARGS,
     ENGINE_BOUND_ARGS,
     OFFLINE_ENV,
@@ -36,7 +37,7 @@ CTL = [
     "-c",
     "import sys; sys.argv[0] = 'r3090ctl'; from r3090d.cli import ctl_main; ctl_main()",
 ]
-KV_BYTES_PER_TOKEN = 1024  # the tiny model: 2 x 2 layers x 2 KV heads x 64 x 2 B
+KV_BYTES_PER_TOKEN = 1024  # the tiny model: 2 x 2 layers x 1 KV head x 64 x 4 B (float32)
 LOAD_TIMEOUT = 420
 
 
@@ -83,8 +84,11 @@ def ctl(*args, timeout=600, prefix=()):
 
 
 def plan_against(server, kv_bytes: int, max_model_len: int) -> dict:
+    # plan takes a float32 checkpoint to run in 16 bits, as vLLM's --dtype auto does on a GPU;
+    # the CPU engine runs --dtype float32, and its KV cache in that dtype.
     r = ctl("plan", "--model", server_model(server), "--kv-cache-memory-bytes", kv_bytes, "--block-size", CPU_BLOCK_SIZE,
-            "--max-model-len", max_model_len, "--bandwidth-gbs", 20, "--url", server.url, "--json")  # fmt: skip
+            "--max-model-len", max_model_len, "--kv-cache-dtype", CPU_DTYPE, "--bandwidth-gbs", 20, "--url", server.url,
+            "--json")  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(r.stdout)
 
