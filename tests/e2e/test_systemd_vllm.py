@@ -3,7 +3,9 @@
 One service is shared by the tests of this module (each real vLLM load takes
 about a minute on 2 cores); each test first makes sure it is active. The test
 drop-in only shortens timeouts and redirects output: the shipped hardening is
-what vLLM runs under.
+what vLLM runs under. The config's engine.python is a wrapper of the engine's
+python that can hold vLLM's start while a file exists (HOLD_FILE), so that a
+test decides how long a load lasts instead of relying on this machine's speed.
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ pytestmark = [pytest.mark.systemd, pytest.mark.vllm]
 
 # The shared default path, not $R3090D_ENGINE_PYTHON: the service user must be able to run it.
 ENGINE_PYTHON = DEFAULT_ENGINE_PYTHON
+# While HOLD_FILE exists, vLLM's API server waits before it starts (at most HOLD_MAX s).
+ENGINE_WRAPPER = TEST_ROOT / "engine-python"
+HOLD_FILE = TEST_ROOT / "engine-hold"
+HOLD_MAX = 120
 ENGINE_PORT = 18090
 EXPORTER_PORT = 19490
 URL = f"http://127.0.0.1:{ENGINE_PORT}"
 MODEL_NAME = TINY_MODEL_NAME
-TEST_START_TIMEOUT = 20  # below the ~60 s a CPU load takes: only EXTEND_TIMEOUT_USEC keeps it alive
+TEST_START_TIMEOUT = 20  # the load is held past it: only EXTEND_TIMEOUT_USEC keeps the start alive
+HOLD_PAST_START_TIMEOUT = 5  # s past TimeoutStartSec that the start test holds vLLM's load
 TEST_WATCHDOG = 8
 TEST_STOP_TIMEOUT = 3  # below the drain: only EXTEND_TIMEOUT_USEC keeps systemd from killing it
 RESTART_SEC = 5
@@ -44,12 +51,25 @@ LOAD_TIMEOUT = 300
 ENGINE_ENV = "\n".join(f'{k} = "{v}"' for k, v in OFFLINE_ENV.items())
 
 
+def engine_wrapper() -> str:
+    """The engine's python, except that vLLM's API server first waits while HOLD_FILE exists."""
+    return f"""\
+#!/bin/sh
+case " $* " in
+*" vllm.entrypoints.openai.api_server "*)
+    i=0
+    while [ -e {HOLD_FILE} ] && [ "$i" -lt {HOLD_MAX * 10} ]; do sleep 0.1; i=$((i + 1)); done ;;
+esac
+exec {ENGINE_PYTHON} "$@"
+"""
+
+
 def vllm_config(model) -> str:
     return f"""\
 profile = "realtime"
 
 [engine]
-python = "{ENGINE_PYTHON}"
+python = "{ENGINE_WRAPPER}"
 model = "{model}"
 served_model_name = "{MODEL_NAME}"
 host = "127.0.0.1"
@@ -80,6 +100,8 @@ exporter_port = {EXPORTER_PORT}
 def service(systemd_ns, installed, tiny_model, vllm_lock):
     if not os.access(ENGINE_PYTHON, os.X_OK):
         pytest.skip(f"no vLLM engine venv at {ENGINE_PYTHON}: make engine (or make install ENGINE=1)")
+    HOLD_FILE.unlink(missing_ok=True)
+    write_public(ENGINE_WRAPPER, engine_wrapper()).chmod(0o755)
     config = write_public(TEST_ROOT / "config-vllm.toml", vllm_config(tiny_model))
     unit = Unit(systemd_ns, "r3090d.service", "r3090d-vllm.log")
     unit.reset()
@@ -90,6 +112,7 @@ def service(systemd_ns, installed, tiny_model, vllm_lock):
         f"TimeoutStopSec={TEST_STOP_TIMEOUT}",
     )
     yield unit
+    HOLD_FILE.unlink(missing_ok=True)
     print(f"===== {unit.name}\n{unit.describe()}")
     unit.remove()
     assert systemd_ns.namespace_pids_matching("vllm") == {}, "vLLM processes outlived the unit"
@@ -184,19 +207,26 @@ def test_start_outlasts_the_start_timeout_and_is_ready_only_after_health(service
     poller = threading.Thread(target=poll_health, daemon=True)
     poller.start()
     states: list[tuple[float, str, str]] = []
+    # The load is held until it has outlasted TimeoutStartSec, however fast this machine loads.
+    write_public(HOLD_FILE, "")
     try:
         unit.ns.ctl("start", "--no-block", unit.name)
 
         def active() -> bool:
-            """Records every state seen on the way."""
+            """Records every state seen on the way; lets the load go once it is past the start timeout."""
             props = unit.show("ActiveState", "MainPID")
             states.append((time.monotonic(), props["ActiveState"], props["MainPID"]))
             if props["ActiveState"] not in ("activating", "active") and len(states) > 4:
                 pytest.fail(f"the unit left activating for {props['ActiveState']}: {unit.describe()}")
+            if HOLD_FILE.exists() and props["ActiveState"] == "activating" and props["MainPID"] != "0":
+                held = time.monotonic() - monotonic_of(unit, "ExecMainStartTimestampMonotonic")
+                if held > TEST_START_TIMEOUT + HOLD_PAST_START_TIMEOUT:
+                    HOLD_FILE.unlink()
             return props["ActiveState"] == "active"
 
         unit.wait_for(active, LOAD_TIMEOUT, "active", interval=0.5)
     finally:
+        HOLD_FILE.unlink(missing_ok=True)
         stop_polling.set()
         poller.join(5)
 
