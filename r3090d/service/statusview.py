@@ -199,7 +199,8 @@ def canary_lines(c: CanaryInfo, now: float) -> list[str]:
         return ["Canary     no baseline yet (taken once nothing else runs)"]
     matched = f"last match {clock(c.last_match_at)} ({ago(now - c.last_match_at)} ago)" if c.last_match_at else "no match yet"
     counts = f"{c.checks} checks, {c.mismatches} mismatches, {c.inconclusive} inconclusive, {c.errors} without answer"
-    lines = [f"Canary     {matched}; {counts}; baseline compared over {c.baseline_tokens} token(s)"]
+    last = f"last check {c.last_verdict}; " if c.last_verdict else ""
+    lines = [f"Canary     {last}{matched}; {counts}; baseline compared over {c.baseline_tokens} token(s)"]
     if c.last_mismatch:
         lines.append(f"Mismatch   {clock(c.last_mismatch_at)}: {c.last_mismatch}")
     return lines
