@@ -103,26 +103,13 @@ class DryCard(gi.FakeCard):
         self.states = states
         super().__init__(path, status_dir)
 
-    def checkpointed(self) -> set[int]:
+    def off_the_card(self) -> set[int]:
+        """The workers the fake driver holds checkpointed: their memory is off the card."""
         try:
             states = json.loads(self.states.read_text())
         except (OSError, ValueError):
             return set()
         return {int(pid) for pid, e in states.items() if e.get("state") == "CHECKPOINTED"}
-
-    def write(self) -> None:
-        off = self.checkpointed()
-        live = [(w.pid, (gi.proc_stat(w.pid) or ("Z", 0))[0]) for w in gi.workers(self.status_dir) if w.pid not in off]
-        card = {
-            "name": "NVIDIA H200 (fake, dry run)", "memory_total_mib": 143771, "memory_reserved_mib": 500,
-            "driver": "580.65.06", "cuda": 13000, "cc": [9, 0], "persistence": True,
-            "util": 100 if any(state != "T" for _, state in live) else 0,
-            "processes": [[pid, self.WORKER_MIB] for pid, _ in live],
-            "memory_used_mib": self.WORKER_MIB * len(live),
-        }  # fmt: skip
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(card))
-        os.replace(tmp, self.path)
 
 
 def write_engine_python(base: Path, args) -> Path:

@@ -255,8 +255,13 @@ class FakeCard:
         self._thread.start()
         return self
 
+    def off_the_card(self) -> set[int]:
+        """Workers the card does not list (a subclass's: those checkpointed by the fake driver)."""
+        return set()
+
     def write(self) -> None:
-        live = [(w.pid, (proc_stat(w.pid) or ("Z", 0))[0]) for w in workers(self.status_dir)]
+        off = self.off_the_card()
+        live = [(w.pid, (proc_stat(w.pid) or ("Z", 0))[0]) for w in workers(self.status_dir) if w.pid not in off]
         card = {
             "name": "NVIDIA H200 (fake, dry run)", "memory_total_mib": 143771, "memory_reserved_mib": 500,
             "driver": "580.65.06", "cuda": 13000, "cc": [9, 0], "persistence": True,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import secrets
-import threading
 import time
 
 import httpx
@@ -27,6 +26,7 @@ from r3090d.config.schema import CanaryConfig
 from r3090d.core.snapshot import CanaryAnswer, CanarySample
 from r3090d.core.vocabulary import CanaryPurpose
 from r3090d.probes.http import engine_client
+from r3090d.probes.offloop import OffLoop
 
 _MAX_DETAIL = 200
 _TOKEN_PREFIX = "token_id:"
@@ -104,43 +104,27 @@ def parse(body: object, max_tokens: int) -> CanaryAnswer:
     return CanaryAnswer(token_ids=tuple(ids), margins=tuple(margins), runner_up=tuple(runners), text=str(text))
 
 
-class CanaryProber:
+class CanaryProber(OffLoop[CanarySample]):
     """Sends one canary at a time in its own thread; the loop reads the latest result."""
 
     def __init__(self, base_url: str, model: str, api_key: str, cc: CanaryConfig, wake=None, *, sent_before: int = 0):
+        super().__init__(CanarySample(), wake, sent_before)
         self._url = base_url.rstrip("/") + "/v1/completions"
         self._model = model
         self._api_key = api_key
         self._cfg = cc
-        self._wake = wake
-        self._lock = threading.Lock()
-        self._sample = CanarySample()
         self._persisted: CanaryAnswer | None = None
-        self._generation = 0
-        self._in_flight = False
-        # Every canary ever sent (the replaced prober's too): never counted as the engine having served.
-        self._sent_total = sent_before
 
     def reset(self, persisted: CanaryAnswer | None = None) -> None:
         """A new engine: forget the old one's answer; `persisted` is an earlier engine's baseline with its dependencies."""
-        with self._lock:
-            self._generation += 1
-            self._sample = CanarySample()
-            self._persisted = persisted
-            self._in_flight = False
+        self._reset(CanarySample())
+        self._persisted = persisted
 
     def send(self, purpose: CanaryPurpose) -> None:
-        with self._lock:
-            if self._in_flight:
-                return
-            self._in_flight = True
-            self._sent_total += 1
-            generation = self._generation
-            self._sample = CanarySample(sent_at=time.monotonic())
-        try:
-            threading.Thread(target=self._run, args=(generation,), name=f"canary-{purpose.value}", daemon=True).start()
-        except Exception as exc:  # noqa: BLE001 - no thread to be had: an error, never a canary stuck in flight
+        def not_started(generation: int, exc: Exception) -> None:
             self._finish(generation, None, f"canary not started: {type(exc).__name__}")
+
+        self._begin(lambda _prev: CanarySample(sent_at=time.monotonic()), self._run, f"canary-{purpose.value}", not_started)
 
     def _run(self, generation: int) -> None:
         answer, error = None, "the canary ended without an answer"
@@ -180,18 +164,7 @@ class CanaryProber:
         return parse(doc, self._cfg.max_tokens)
 
     def _finish(self, generation: int, answer: CanaryAnswer | None, error: str) -> None:
-        with self._lock:
-            if generation != self._generation:
-                return
-            self._sample = CanarySample(sent_at=self._sample.sent_at, finished_at=time.monotonic(), answer=answer, error=error)
-            self._in_flight = False
-        if self._wake is not None:
-            self._wake.set()
-
-    @property
-    def sent_total(self) -> int:
-        with self._lock:
-            return self._sent_total
+        self._end(generation, lambda prev: CanarySample(sent_at=prev.sent_at, finished_at=time.monotonic(), answer=answer, error=error))
 
     def sample(self) -> CanarySample:
         with self._lock:

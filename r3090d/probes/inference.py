@@ -10,7 +10,6 @@ left "in flight" would never be sent again, and a frozen engine would go unseen.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import replace
 
@@ -18,6 +17,7 @@ import httpx
 
 from r3090d.core.snapshot import InferenceProbeSample
 from r3090d.probes.http import engine_client
+from r3090d.probes.offloop import OffLoop
 
 _MAX_DETAIL = 200
 OVERDUE_MARGIN_S = 2.0
@@ -26,48 +26,26 @@ OVERDUE_MARGIN_S = 2.0
 _HEADERS = {"Connection": "close"}
 
 
-class InferenceProber:
+class InferenceProber(OffLoop[InferenceProbeSample]):
     def __init__(self, base_url: str, model: str, api_key: str, timeout: float, wake=None, *, sent_before: int = 0):
+        super().__init__(InferenceProbeSample(), wake, sent_before)
         self._url = base_url.rstrip("/") + "/v1/completions"
         self._model = model
         self._api_key = api_key
         self._timeout = timeout
-        self._lock = threading.Lock()
-        self._sample = InferenceProbeSample()
-        self._generation = 0
-        self._in_flight = False
-        # Every probe ever sent, across engines and reloads (`sent_before`: the replaced
-        # prober's): the policy subtracts them from vLLM's completed requests, so a probe
-        # never counts as the engine having served.
-        self._sent_total = sent_before
-        self._wake = wake  # set when a result arrives, so the loop acts on it at once
 
     def reset(self) -> None:
         """A new engine: forget the old one's failures (a late answer from it is ignored)."""
-        with self._lock:
-            self._generation += 1
-            self._sample = InferenceProbeSample()
-            self._in_flight = False
+        self._reset(InferenceProbeSample())
 
     def send(self) -> None:
-        with self._lock:
-            if self._in_flight:
-                return
-            self._in_flight = True
-            self._sent_total += 1
-            generation = self._generation
-            self._sample = InferenceProbeSample(
-                sent_at=time.monotonic(),
-                finished_at=self._sample.finished_at,
-                ok=None,
-                consecutive_failures=self._sample.consecutive_failures,
-            )
-        try:
-            threading.Thread(
-                target=self._run, args=(generation,), name="inference-probe", daemon=True
-            ).start()
-        except Exception as exc:  # noqa: BLE001 - e.g. no thread to be had: a failed probe, not a stuck one
+        def in_flight(prev: InferenceProbeSample) -> InferenceProbeSample:
+            return InferenceProbeSample(sent_at=time.monotonic(), finished_at=prev.finished_at, ok=None, consecutive_failures=prev.consecutive_failures)
+
+        def not_started(generation: int, exc: Exception) -> None:
             self._finish(generation, False, _short(f"probe not started: {type(exc).__name__}: {exc}"))
+
+        self._begin(in_flight, self._run, "inference-probe", not_started)
 
     def _run(self, generation: int) -> None:
         ok, detail = False, "the probe ended without an answer"
@@ -104,25 +82,11 @@ class InferenceProber:
         return _short(f"{name}: {message}")
 
     def _finish(self, generation: int, ok: bool, detail: str) -> None:
-        with self._lock:
-            if generation != self._generation:
-                return
-            prev = self._sample
-            self._sample = InferenceProbeSample(
-                sent_at=prev.sent_at,
-                finished_at=time.monotonic(),
-                ok=ok,
-                detail=detail,
-                consecutive_failures=0 if ok else prev.consecutive_failures + 1,
-            )
-            self._in_flight = False
-        if self._wake is not None:
-            self._wake.set()
+        def finished(prev: InferenceProbeSample) -> InferenceProbeSample:
+            return InferenceProbeSample(sent_at=prev.sent_at, finished_at=time.monotonic(), ok=ok, detail=detail,
+                                        consecutive_failures=0 if ok else prev.consecutive_failures + 1)  # fmt: skip
 
-    @property
-    def sent_total(self) -> int:
-        with self._lock:
-            return self._sent_total
+        self._end(generation, finished)
 
     def sample(self) -> InferenceProbeSample:
         """The latest result. A probe still in flight past its timeout plus a margin is

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from r3090d.core.snapshot import HealthStatus
-from r3090d.probes import inference
+from r3090d.probes import inference, offloop
 from r3090d.probes.engine import EngineProbe, fetch_metrics, probe_health
 from r3090d.probes.http import engine_client
 from r3090d.probes.inference import InferenceProber
@@ -458,7 +458,7 @@ def test_a_probe_that_cannot_start_a_thread_is_a_failure_not_in_flight(monkeypat
 
     wake = threading.Event()
     prober = InferenceProber("http://127.0.0.1:9", MODEL, "", timeout=5, wake=wake)
-    monkeypatch.setattr(inference.threading, "Thread", NoThread)
+    monkeypatch.setattr(offloop.threading, "Thread", NoThread)
     prober.send()
     sample = prober.sample()
     assert sample.ok is False and "RuntimeError" in sample.detail
@@ -483,7 +483,6 @@ def test_a_probe_stuck_past_its_timeout_is_failed_not_left_in_flight():
     import socket
     import threading
 
-    from r3090d.probes import inference
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
