@@ -28,7 +28,7 @@ $(DEV_STAMP): pyproject.toml
 dev: $(DEV_STAMP)
 
 # demo and the test tiers serve vLLM on CPU, whatever `make engine` picks on this host.
-demo: $(DEV_STAMP) engine-cpu tiny-model
+demo: $(DEV_STAMP) engine-cpu tiny-model-weights
 	@echo "demo: starting r3090d in the foreground; Ctrl-C stops everything"
 	$(PYTHON) -m r3090d --config etc/demo.toml
 
