@@ -112,6 +112,7 @@ class CanaryState:
     """What the policy keeps about the canary; a new engine starts with `fresh()`, keeping the counters."""
 
     baseline: CanaryAnswer | None = None  # this engine's
+    baseline_for: tuple = ()  # the request it answered (request_key): a reload that changes it drops the baseline
     pending: CanaryPurpose | None = None  # a canary in flight, sent at `sent_at`
     sent_at: float | None = None
     retried: bool = False  # this comparison has been sent a second time after an inconclusive one
@@ -128,9 +129,9 @@ class CanaryState:
     last_mismatch: Comparison | None = None
     last_mismatch_wall: float | None = None
 
-    def fresh(self, baseline: CanaryAnswer | None = None) -> CanaryState:
-        """A new engine (or one resumed with `baseline`): nothing in flight, the counters kept."""
-        return replace(self, baseline=baseline, pending=None, sent_at=None, retried=False, next_at=None)
+    def fresh(self, baseline: CanaryAnswer | None = None, request: tuple = ()) -> CanaryState:
+        """A new engine (or one resumed with `baseline`, the answer to `request`): nothing in flight, the counters kept."""
+        return replace(self, baseline=baseline, baseline_for=request, pending=None, sent_at=None, retried=False, next_at=None)
 
     def counted(self, c: Comparison, wall: float) -> CanaryState:
         """A comparison that ended, in the counters."""
@@ -142,6 +143,11 @@ class CanaryState:
         if c.verdict is Verdict.MISMATCH:
             return replace(st, mismatches=st.mismatches + 1, last_mismatch=c, last_mismatch_wall=wall)
         return st
+
+
+def request_key(cc: CanaryConfig) -> tuple:
+    """What makes two canaries the same question: another prompt, length or seed has another answer."""
+    return (cc.prompt, cc.max_tokens, cc.seed)
 
 
 def result(sample: CanarySample, sent_at: float | None, cfg: CanaryConfig, now: float) -> CanarySample | None:
@@ -174,6 +180,9 @@ def step(cs: CanaryState, snap: Snapshot, cfg: Config, now: float, *, maintenanc
     cc = cfg.canary
     if not cc.enabled:
         return Step(cs)
+    if cs.baseline is not None and cs.baseline_for != request_key(cc):
+        # A reload changed the question: the old answer says nothing about the new one.
+        cs = cs.fresh()
     if cs.pending is not None:
         done = result(snap.canary, cs.sent_at, cc, now)
         if done is None:
@@ -200,7 +209,7 @@ def step(cs: CanaryState, snap: Snapshot, cfg: Config, now: float, *, maintenanc
 
 def _baseline_taken(cs: CanaryState, answer: CanaryAnswer, snap: Snapshot, cfg: Config, now: float) -> Step:
     cc = cfg.canary
-    cs = replace(cs, baseline=answer, next_at=now + cc.interval)
+    cs = replace(cs, baseline=answer, baseline_for=request_key(cc), next_at=now + cc.interval)
     events: list[Condition] = []
     k = confident_prefix(answer, cc.margin_threshold)
     if k < cc.min_prefix and not cs.warned_unusable:

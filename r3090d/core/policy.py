@@ -643,7 +643,7 @@ def _apply(snap, st, cfg, now, actions, events, move: suspension.Move) -> Policy
         # The baseline the suspension carried (taken before the lock) is the engine's from now on.
         held = st.suspension.baseline if st.suspension is not None else st.canary.baseline
         return _to(st, Phase.READY, now, suspension=None, ready_since=now, watch=_fresh_watch(st, ready_at=now),
-                   canary=st.canary.fresh(held))  # fmt: skip
+                   canary=st.canary.fresh(held, canary.request_key(cfg.canary)))  # fmt: skip
     return _to(st, move.phase, now, suspension=move.suspension)
 
 

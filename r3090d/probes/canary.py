@@ -107,13 +107,14 @@ def parse(body: object, max_tokens: int) -> CanaryAnswer:
 class CanaryProber(OffLoop[CanarySample]):
     """Sends one canary at a time in its own thread; the loop reads the latest result."""
 
-    def __init__(self, base_url: str, model: str, api_key: str, cc: CanaryConfig, wake=None, *, sent_before: int = 0):
+    def __init__(self, base_url: str, model: str, api_key: str, cc: CanaryConfig, wake=None, *, sent_before: int = 0,
+                 persisted: CanaryAnswer | None = None):  # fmt: skip
         super().__init__(CanarySample(), wake, sent_before)
         self._url = base_url.rstrip("/") + "/v1/completions"
         self._model = model
         self._api_key = api_key
         self._cfg = cc
-        self._persisted: CanaryAnswer | None = None
+        self._persisted = persisted
 
     def reset(self, persisted: CanaryAnswer | None = None) -> None:
         """A new engine: forget the old one's answer; `persisted` is an earlier engine's baseline with its dependencies."""
@@ -165,6 +166,10 @@ class CanaryProber(OffLoop[CanarySample]):
 
     def _finish(self, generation: int, answer: CanaryAnswer | None, error: str) -> None:
         self._end(generation, lambda prev: CanarySample(sent_at=prev.sent_at, finished_at=time.monotonic(), answer=answer, error=error))
+
+    @property
+    def persisted(self) -> CanaryAnswer | None:
+        return self._persisted
 
     def sample(self) -> CanarySample:
         with self._lock:

@@ -44,8 +44,10 @@ class Sampler:
         # The count of probes sent carries over: the engine's completed requests still hold them.
         sent = self.prober.sent_total if self.prober is not None else 0
         self.prober = InferenceProber(cfg.engine_url, cfg.model_name, cfg.api_key, wd.probe_timeout, wake=self.wake, sent_before=sent)
-        sent = self.canary.sent_total if self.canary is not None else 0
-        self.canary = CanaryProber(cfg.engine_url, cfg.model_name, cfg.api_key, cfg.canary, wake=self.wake, sent_before=sent)
+        # So does the earlier engine's baseline the current engine's first canary is compared with.
+        old = self.canary
+        self.canary = CanaryProber(cfg.engine_url, cfg.model_name, cfg.api_key, cfg.canary, wake=self.wake,
+                                   sent_before=old.sent_total if old else 0, persisted=old.persisted if old else None)  # fmt: skip
 
     def gpu(self) -> GpuSample:
         return self.gpu_monitor.latest(time.monotonic()) if self.gpu_monitor else GpuSample(GpuStatus.DISABLED)

@@ -370,3 +370,14 @@ def test_requests_frozen_with_the_engine_keep_the_last_baseline():
         r.tick(gpu=card(r.now + 0.5, util=90), metrics=BUSY())
         assert not r.of(SendCanary)
     assert r.st.suspension.baseline == BASELINE and r.of(SuspendEngine)[0].frozen_requests == 4
+
+
+def test_a_reload_that_changes_the_question_drops_the_baseline_instead_of_finding_a_mismatch():
+    r = Run(ccfg())
+    baseline_taken(r)
+    r.c = ccfg(prompt="Another question entirely")
+    r.tick()
+    assert r.st.canary.baseline is None
+    assert sent(r) == [CanaryPurpose.BASELINE]  # nothing runs: the new question's baseline at once
+    r.tick(canary=answered(r.now, WRONG))
+    assert r.st.canary.baseline == WRONG and r.st.phase is Phase.READY and r.st.canary.mismatches == 0
