@@ -291,9 +291,10 @@ def test_a_down_alertmanager_never_slows_submit(down):
             times.sort()
             worst, median = times[-1], times[len(times) // 2]
             print(f"\n[alertmanager {down}] {len(times)} submits: max {worst * 1000:.3f} ms, median {median * 1000:.3f} ms")
-            # A submit that waited on the network would take the 3 s timeout, or the 0.2 s
-            # backoff; the bound leaves room for a loaded machine's scheduling.
-            assert worst < 0.1, f"a submit() took {worst * 1000:.1f} ms"
+            # A submit that waited on the network would take the 3 s timeout; one that waited
+            # out the 0.2 s backoff would do so every time, which the median shows. The worst
+            # case leaves room for a loaded 2-core machine's scheduling (159 ms seen).
+            assert worst < 1.0, f"a submit() took {worst * 1000:.1f} ms"
             assert median < 0.001, f"the median submit() took {median * 1000:.2f} ms"
             wait_until(
                 lambda: d.status()["alertmanager"]["failing"], 10, what="the channel to report the failure"
