@@ -178,7 +178,7 @@ def seeded_weights(seed: int = WEIGHT_SEED) -> dict:
     return out
 
 
-def write_model(outdir: Path, weights: bool = False) -> None:
+def write_model(outdir: Path, weights: bool = False, seed: int = WEIGHT_SEED) -> None:
     """Write into a sibling temporary directory, then swap it in: an interrupted run leaves no half model."""
     outdir = outdir.resolve()
     staging = outdir.with_name(outdir.name + ".partial")
@@ -188,7 +188,7 @@ def write_model(outdir: Path, weights: bool = False) -> None:
     if weights:
         from safetensors.numpy import save_file
 
-        save_file(seeded_weights(), str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_file(seeded_weights(seed), str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         (staging / WEIGHTS_FILE).chmod(0o644)  # written owner-only; the service user reads it like the rest
     if outdir.exists():
         shutil.rmtree(outdir)
@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("outdir", type=Path, help="directory to write (created if missing)")
     parser.add_argument("--weights", action="store_true",
                         help=f"also write {WEIGHTS_FILE}: seeded weights with clear greedy margins (serve without --load-format dummy)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=WEIGHT_SEED, help=f"seed of the weights (default {WEIGHT_SEED})")
     args = parser.parse_args(argv)
     needed = ["tokenizers", *(["numpy", "safetensors"] if args.weights else [])]
     for package in needed:
@@ -274,11 +275,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"make_tiny_model: the '{package}' package is missing (pip install {package})", file=sys.stderr)
             return 69  # EX_UNAVAILABLE
     try:
-        write_model(args.outdir, weights=args.weights)
+        write_model(args.outdir, weights=args.weights, seed=args.seed)
     except OSError as exc:
         print(f"make_tiny_model: cannot write {args.outdir}: {exc.strerror}", file=sys.stderr)
         return 73  # EX_CANTCREAT
-    kind = f"seeded weights (seed {WEIGHT_SEED})" if args.weights else "no weights: serve with --load-format dummy"
+    kind = f"seeded weights (seed {args.seed})" if args.weights else "no weights: serve with --load-format dummy"
     print(f"tiny Qwen2 model written to {args.outdir} (vocab {VOCAB_SIZE}, {DTYPE}, {KV_BYTES_PER_TOKEN} KV bytes per token, {kind})")
     return 0
 
