@@ -7,14 +7,16 @@ or a botched restore would. The daemon cannot tell the double from vLLM.
 
 One daemon shows the periodic canary (a baseline once idle, a match while streams
 run, a near tie that is only inconclusive, a mismatch that restarts the engine);
-the fake checkpoint interface shows the canary around a suspension; two daemons
-on one state_dir show the start comparison, a warning only.
+the fake checkpoint interface shows the canary around a suspension, idle and with
+streams frozen with the engine; two daemons on one state_dir show the start
+comparison, a warning only.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -25,7 +27,7 @@ from r3090d.config.schema import DEFAULT_CANARY_PROMPT
 from r3090d.service import forensics
 from r3090d.service.baselines import FILE_NAME as BASELINES_FILE
 from tests.component.test_gpu_idle import streams  # endless streams: requests keep running
-from tests.component.test_suspend_daemon import Rig
+from tests.component.test_suspend_daemon import Rig, proc_state
 from tests.ctl_harness import Daemon, ctl
 from tests.waiting import wait_until
 
@@ -35,6 +37,7 @@ INTERVAL = 10.0  # canary.interval's minimum
 SEED = 4242
 CANARY = {"interval": INTERVAL, "timeout": 10.0, "seed": SEED}
 BOUND = 60.0  # generous: a loaded 2-core machine
+LONG = 5000  # tokens of a stream frozen with the engine: 100 s at the suspend rig's 0.02 s a token
 # The double's greedy answers, as the daemon's canary asks for them (a prompt of its own, so nothing else shares it).
 CANARY_BODY = {"model": "fake-model", "prompt": DEFAULT_CANARY_PROMPT, "max_tokens": 16, "temperature": 0, "seed": SEED,
                "ignore_eos": True, "logprobs": 2, "return_tokens_as_token_ids": True}  # fmt: skip
@@ -84,6 +87,41 @@ def records(d: Daemon, reason: str) -> list[dict]:
 
 def running_streams(d: Daemon) -> int:
     return d.fake("GET", "/fake/state").json()["active_streams"]
+
+
+class Stream:
+    """One streamed completion of `max_tokens` tokens, read in a thread: when each token came (wall clock,
+    as the double's request log), how it ended. `stop` ends it early (the client goes away)."""
+
+    def __init__(self, url: str, max_tokens: int, stop: threading.Event | None = None):
+        self.times: list[float] = []
+        self.finish: str | None = None
+        self.error: str | None = None
+        self.stop = stop or threading.Event()
+        self.body = {"model": "fake-model", "prompt": "x", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        self.thread = threading.Thread(target=self._read, args=(url,), daemon=True)
+        self.thread.start()
+
+    def _read(self, url: str) -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=self.body, timeout=120, trust_env=False) as r:
+                for line in r.iter_lines():
+                    if self.stop.is_set():
+                        return
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "choices" not in event:
+                        self.error = line
+                        return
+                    self.times.append(time.time())
+                    self.finish = event["choices"][0]["finish_reason"] or self.finish
+        except httpx.HTTPError as e:
+            self.error = repr(e)  # the engine was restarted under it
+
+    def running_through(self, start: float, end: float) -> bool:
+        """It had a token before `start` and one after `end`, and had not ended in between."""
+        return bool(self.times) and self.times[0] < start and self.times[-1] > end and self.finish is None and self.error is None
 
 
 def make(tmp: Path, engine_python: str, name: str, *, extra_args=(), canary=None) -> Daemon:
@@ -170,13 +208,26 @@ def test_a_near_tie_that_flips_is_inconclusive_after_one_retry_and_restarts_noth
     d = periodic
     st = baseline_taken(d)
     api, before = st["engine"]["pid"], st["canary"]
-    # From position 2 the answer takes the baseline's runner-up, and its own runner-up is the baseline's token 0.1 nats behind.
-    control(d, canary_fault={"from": 2, "margin": 0.1})
-    sent = len(canaries(d))
+    # Two long streams, running through the check and its retry.
+    stop = threading.Event()
+    flowing = [Stream(d.engine_url, 30000, stop) for _ in range(2)]
     try:
-        st = d.proc.wait_for(lambda s: s if s["canary"]["inconclusive"] > before["inconclusive"] else None, INTERVAL + BOUND, "an inconclusive check")
+        wait_until(lambda: running_streams(d) == 2 and all(s.times for s in flowing), BOUND, what="two streams running")
+        # From position 2 the answer takes the baseline's runner-up, and its own runner-up is the baseline's token 0.1 nats behind.
+        control(d, canary_fault={"from": 2, "margin": 0.1})
+        sent = len(canaries(d))
+        try:
+            st = d.proc.wait_for(lambda s: s if s["canary"]["inconclusive"] > before["inconclusive"] else None, INTERVAL + BOUND, "an inconclusive check")
+        finally:
+            control(d, canary_fault=None)
+        counted = time.time()
+        check, retry = canaries(d)[sent:]
+        # They were running when the canary was sent, and still ran once its retry had counted.
+        wait_until(lambda: all(s.times[-1] > counted for s in flowing), BOUND, what="the streams' tokens after the check")
+        assert all(s.running_through(check["t"], counted) for s in flowing) and running_streams(d) == 2
+        assert check["t"] < retry["t"] < counted
     finally:
-        control(d, canary_fault=None)
+        stop.set()
     c = st["canary"]
     assert c["last_verdict"] == "inconclusive" and c["inconclusive"] == before["inconclusive"] + 1
     assert c["mismatches"] == before["mismatches"] and c["checks"] == before["checks"] + 1  # the retry is part of the one check
@@ -282,6 +333,83 @@ def test_a_resume_must_give_back_the_known_answer_before_it_serves(make_daemon, 
     assert new_core != core and r.d.state()["restarts"]["total"] == 1
 
 
+def test_streams_frozen_with_the_engine_keep_the_last_baseline_and_run_through_the_resume_canary(make_daemon, tmp_path):
+    r = CanaryRig(make_daemon, tmp_path, watchdog={"probe_idle_seconds": 600})  # suspend.drain_timeout: 2 s
+    core = r.ready()
+    st = r.d.proc.wait_for(lambda s: s if s["canary"]["baseline_tokens"] is not None else None, BOUND, "the canary's baseline")
+    api = st["engine"]["pid"]
+    assert len(canaries(r.d)) == 1  # the engine's first canary, taken once idle: the baseline a resume must give back
+
+    # Two streams (100 s of tokens at 0.02 s each) still run at the drain's deadline: frozen with the engine,
+    # and nothing is compared before the lock, since a baseline waits for idle: the last baseline stands.
+    flowing = [Stream(r.d.engine_url, LONG) for _ in range(2)]
+    r.d.proc.wait_for(lambda s: (s["metrics"]["running"] or 0) == 2, BOUND, "two requests running")
+    sent = len(canaries(r.d))
+    out = json_of(r.ctl("suspend", "--wait", "--json"))
+    assert out["result"] == "suspended" and "2 request(s) frozen with it, to finish after resume" in out["detail"], out
+    assert canaries(r.d)[sent:] == []  # no baseline re-taken before the lock
+    st = r.d.state()
+    assert st["suspend"]["frozen_requests"] == 2 and proc_state(core) == "T"
+    held = [len(s.times) for s in flowing]
+    r.d.proc.wait_for(lambda s: s["written_at"] > st["written_at"] + 1.0, BOUND, "a second suspended")  # time passing on purpose
+    assert [len(s.times) for s in flowing] == held and running_streams(r.d) == 2  # paused, their connections open
+
+    # Resumed: the streams go on, and the canary compared while they ran matches the baseline from before.
+    done = r.ctl("resume", "--wait", "--json")
+    resumed = time.time()
+    out = json_of(done)
+    assert (done.returncode, out["result"]) == (0, "resumed") and "the canary matched" in out["detail"], out
+    [check] = canaries(r.d)[sent:]
+    unlocked = [c["at"] for c in calls(r) if c["step"] == "unlock"][-1]
+    wait_until(lambda: all(s.times[-1] > resumed for s in flowing), BOUND, what="the streams' tokens after the resume")
+    for s in flowing:
+        assert s.running_through(check["t"], resumed), (s.finish, s.error)
+        assert any(unlocked < t < check["t"] for t in s.times)  # flowing again when the canary was sent
+    st = r.d.state()
+    c = st["canary"]
+    assert (c["last_verdict"], c["checks"], c["mismatches"]) == ("match", 1, 0)
+    assert st["engine"]["phase"] == "ready" and st["engine"]["pid"] == api and st["restarts"]["total"] == 0
+    # They finish, after the resume, nothing lost (the rest of their tokens sped up).
+    control(r.d, token_delay=0.002)
+    for s in flowing:
+        s.thread.join(BOUND)
+        assert (s.thread.is_alive(), s.finish, s.error) == (False, "length", None)
+        assert len(s.times) == LONG and s.times[-1] > resumed
+    control(r.d, token_delay=0.02)
+    wait_until(lambda: r.d.healthz()[0] == 200, 10, what="/healthz 200")
+
+    # Frozen again, and the restored engine answers differently: wrong_output, a cold restart, the streams cut.
+    flowing = [Stream(r.d.engine_url, LONG) for _ in range(2)]
+    r.d.proc.wait_for(lambda s: (s["metrics"]["running"] or 0) == 2, BOUND, "two requests running")
+    sent = len(canaries(r.d))
+    out = json_of(r.ctl("suspend", "--wait", "--json"))
+    assert out["result"] == "suspended" and "2 request(s) frozen with it" in out["detail"], out
+    assert canaries(r.d)[sent:] == []
+    control(r.d, canary_fault={"from": 2, "margin": 5.0})
+    done = r.ctl("resume", "--wait", "--json")
+    out = json_of(done)
+    assert (done.returncode, out["result"]) == (1, "failed"), out
+    assert "wrong output after resume: the canary answered differently at token 2" in out["detail"] and "the engine restarts cold" in out["detail"]
+    unlocked = [c["at"] for c in calls(r) if c["step"] == "unlock"][-1]
+    assert all(s.times and s.times[0] < unlocked < s.times[-1] for s in flowing)  # frozen with the engine, and running again after the restore
+    st = r.d.state()
+    assert st["restarts"]["last_reason"] == "wrong_output" and st["restarts"]["by_reason"] == {"wrong_output": 1}
+    assert st["canary"]["mismatches"] == 1 and st["canary"]["last_verdict"] == "mismatch"
+    [line] = wait_until(lambda: alert_lines(r.d, "wrong_output"), 10, what="the wrong_output alert")
+    assert " ERROR " in line and "the resumed engine serves wrong output" in line and "it restarts cold" in line
+    r.hold()
+    new_core = r.ready(old_pid=api)
+    assert new_core != core and r.d.state()["restarts"]["total"] == 1
+    for s in flowing:
+        s.thread.join(BOUND)
+        assert not s.thread.is_alive() and s.finish is None  # cut with the engine they ran on
+
+
+def calls(r: Rig) -> list[dict]:
+    """The fake checkpoint driver's calls, oldest first."""
+    return [json.loads(line) for line in r.calls.read_text().splitlines()] if r.calls.exists() else []
+
+
 def json_of(done) -> dict:
     try:
         return json.loads(done.stdout)
@@ -293,6 +421,7 @@ def json_of(done) -> dict:
 
 
 def test_a_new_engine_that_differs_from_the_persisted_baseline_is_a_warning_only(tmp_path, fake_engine_python):
+    # No streams here, by design: the start comparison rides on the engine's baseline, which waits until nothing runs.
     d = make(tmp_path, fake_engine_python, "start")
     try:
         d.start()
