@@ -154,6 +154,13 @@ def baseline_taken(d: Daemon) -> dict:
     return d.proc.wait_for(lambda s: s if s["canary"]["baseline_tokens"] is not None else None, BOUND, "the canary's baseline")
 
 
+def just_checked(d: Daemon) -> dict:
+    """The state right after a periodic check has counted: the next one is a whole interval away, so a
+    fault set now, and the double asked about it, cannot race a check of the daemon's."""
+    checks = baseline_taken(d)["canary"]["checks"]
+    return d.proc.wait_for(lambda s: s if s["canary"]["checks"] > checks else None, INTERVAL + BOUND, "a periodic check counted")
+
+
 def test_a_baseline_once_idle_then_a_periodic_check_matches_while_streams_run(periodic):
     d = periodic
     st = d.wait_ready(timeout=BOUND)
@@ -243,7 +250,7 @@ def test_a_near_tie_that_flips_is_inconclusive_after_one_retry_and_restarts_noth
 
 def test_a_periodic_mismatch_while_streams_run_alerts_wrong_output_and_restarts(periodic):
     d = periodic
-    st = baseline_taken(d)
+    st = just_checked(d)
     api, before = st["engine"]["pid"], st["canary"]
     expected = canary_text(d)
     control(d, canary_fault={"from": 2, "margin": 5.0})
