@@ -187,7 +187,7 @@ def step(cs: CanaryState, snap: Snapshot, cfg: Config, now: float, *, maintenanc
         done = result(snap.canary, cs.sent_at, cc, now)
         if done is None:
             return Step(cs)
-        cs = replace(cs, pending=None) if cs.pending is not None else cs
+        cs = replace(cs, pending=None)
         if done.answer is None:
             wait = BASELINE_RETRY_S if cs.baseline is None else cc.interval
             return Step(replace(cs, errors=cs.errors + 1, retried=False, next_at=now + wait))
@@ -197,9 +197,7 @@ def step(cs: CanaryState, snap: Snapshot, cfg: Config, now: float, *, maintenanc
     if cs.baseline is None:
         if cs.next_at is not None and now < cs.next_at:
             return Step(cs)
-        m = snap.metrics
-        idle = m.error is None and m.running is not None and (m.running or 0) + (m.waiting or 0) == 0
-        return _send(cs, CanaryPurpose.BASELINE, now) if idle else Step(cs)
+        return _send(cs, CanaryPurpose.BASELINE, now) if snap.metrics.in_engine == 0 else Step(cs)
     if cs.next_at is None:
         return Step(replace(cs, next_at=now + cc.interval))
     if now >= cs.next_at and confident_prefix(cs.baseline, cc.margin_threshold) >= cc.min_prefix:

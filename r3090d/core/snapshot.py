@@ -184,6 +184,13 @@ class MetricsSample:
     itl_sum: float | None = None  # vllm:inter_token_latency_seconds_sum
     itl_count: float | None = None
 
+    @property
+    def in_engine(self) -> int | None:
+        """Requests running or waiting; None when this reading does not say (an error, no gauge)."""
+        if self.error is not None or self.running is None:
+            return None
+        return round(self.running + (self.waiting or 0))
+
 
 @dataclass(frozen=True)
 class InferenceProbeSample:

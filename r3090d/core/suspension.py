@@ -387,10 +387,7 @@ def _draining(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: flo
         return _gone_cold(s, snap, now)
     if now < s.stage_since + grace:
         return _stay(s)  # /healthz already says 503: the load balancer is taking the node out
-    eng = snap.metrics
-    busy = 0 if eng.error is None and eng.running is not None else None
-    if busy is not None:
-        busy = round((eng.running or 0) + (eng.waiting or 0))
+    busy = snap.metrics.in_engine
     if busy != 0 and now < s.stage_since + grace + cfg.suspend.drain_timeout:
         return _stay(s)
     if busy == 0 and cfg.canary.enabled:
@@ -407,13 +404,8 @@ def _baselining(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: f
     if done is None:
         return _stay(s)
     if done.answer is None:  # no answer: the last baseline stands
-        return _lock(s, snap, cfg, now, _busy(snap))
-    return _lock(replace(s, baseline=done.answer), snap, cfg, now, _busy(snap), (SaveBaseline(done.answer),))
-
-
-def _busy(snap: Snapshot) -> int:
-    m = snap.metrics
-    return round((m.running or 0) + (m.waiting or 0)) if m.error is None else 0
+        return _lock(s, snap, cfg, now, snap.metrics.in_engine or 0)
+    return _lock(replace(s, baseline=done.answer), snap, cfg, now, snap.metrics.in_engine or 0, (SaveBaseline(done.answer),))
 
 
 def _lock(s: Suspension, snap: Snapshot, cfg: Config, now: float, frozen: int, actions: tuple[Action, ...] = ()) -> Move:
