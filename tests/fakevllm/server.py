@@ -10,6 +10,7 @@ modes; POST /fake/control changes them while it runs. See README.md.
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import importlib.util
 import json
@@ -21,6 +22,7 @@ import shlex
 import signal
 import socket
 import socketserver
+import struct
 import subprocess
 import sys
 import threading
@@ -43,6 +45,7 @@ VOCAB = len(WORDS) * 10000  # token ids: a multiple of len(WORDS), so no runner-
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 DEFAULT_MARGIN = 3.0  # nats between top-1 and top-2, unless canary_margins says otherwise
 MAX_MARGIN = 100.0
+EMBEDDING_DIMENSIONS = 16  # small: the double's vectors only need to be deterministic and tell inputs apart
 LOGGED_PROMPT_CHARS = 200
 # A directory of worker-*.json status files (bench/gpu_engine_standin.py): when set, greedy answers also
 # depend on the "checksum" in the newest one, so they change when the worker's weights do.
@@ -523,6 +526,29 @@ def prompt_token_count(body: dict, chat: bool) -> int:
     raise BadRequest("prompt must be a string or a list of token ids")
 
 
+def embedding_inputs(value: object) -> list[str | list[int]]:
+    """The inputs of an embeddings request as OpenAI takes them: a string, a list of strings, token ids, or lists of them."""
+
+    def ids(x: object) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(value, str):
+        return [value]
+    if ids(value):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(x, str) or ids(x) for x in value):
+        return list(value)
+    raise BadRequest("input must be a string, a list of strings, a list of token ids, or a list of such lists")
+
+
+def embedding_vector(item: str | list[int]) -> list[float]:
+    """A unit vector that is a function of the input alone: the same text always embeds the same."""
+    digest = hashlib.blake2b(json.dumps(item).encode(), digest_size=2 * EMBEDDING_DIMENSIONS).digest()
+    raw = [int.from_bytes(digest[2 * i : 2 * i + 2], "big") / 32767.5 - 1.0 for i in range(EMBEDDING_DIMENSIONS)]
+    norm = math.sqrt(sum(x * x for x in raw)) or 1.0
+    return [x / norm for x in raw]
+
+
 def token_text(index: int) -> str:
     return " " + WORDS[index % len(WORDS)]
 
@@ -566,10 +592,11 @@ def answer_salt() -> bytes:
 
 
 def logged_body(body: dict) -> dict:
-    """A request's fields as the request log keeps them: the prompt cut short, no messages (it holds thousands)."""
-    fields = {k: v for k, v in body.items() if k not in ("prompt", "messages")}
-    if isinstance(body.get("prompt"), str):
-        fields["prompt"] = body["prompt"][:LOGGED_PROMPT_CHARS]
+    """A request's fields as the request log keeps them: the prompt (or input) cut short, no messages or lists (they hold thousands)."""
+    fields = {k: v for k, v in body.items() if k not in ("prompt", "messages", "input")}
+    for key in ("prompt", "input"):  # an embeddings request's `input` is kept as a prompt is
+        if isinstance(body.get(key), str):
+            fields[key] = body[key][:LOGGED_PROMPT_CHARS]
     return fields
 
 
@@ -903,6 +930,7 @@ class Handler(BaseHTTPRequestHandler):
         "/v1/models": {"GET": "models"},
         "/v1/completions": {"POST": "completions"},
         "/v1/chat/completions": {"POST": "chat_completions"},
+        "/v1/embeddings": {"POST": "embeddings"},
         "/tokenize": {"POST": "tokenize"},
         "/fake/state": {"GET": "fake_state"},
         "/fake/requests": {"GET": "fake_requests"},
@@ -1001,6 +1029,46 @@ class Handler(BaseHTTPRequestHandler):
         count = prompt_token_count(body, chat)  # the count usage reports for the same prompt
         # Stand-in ids: the double has no vocabulary, only a count.
         self._json(200, {"count": count, "max_model_len": app.opts.max_model_len, "tokens": list(range(count))})
+
+    def route_embeddings(self):
+        app = self.server.app
+        body = self._body_json()
+        model = body.get("model")
+        if model is not None and model not in app.opts.served_names:
+            raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError")
+        inputs = embedding_inputs(body.get("input"))
+        encoding = body.get("encoding_format", "float")
+        if encoding not in ("float", "base64"):
+            raise BadRequest(f"encoding_format must be 'float' or 'base64', got {encoding!r}.")
+        prompt_tokens = sum(len(x) if isinstance(x, list) else count_words(x) for x in inputs)
+        # Through the engine as one 1-token step: a frozen core stalls an embedding, a dead one fails it, as in vLLM.
+        app.stream_started()
+        try:
+            gen = app.engine.submit(prompt_tokens, 1, None)
+            while True:
+                try:
+                    event = gen.events.get(timeout=0.25)
+                except queue.Empty:
+                    if self._client_gone():
+                        app.engine.abort(gen)
+                        self.close_connection = True
+                        return
+                    continue
+                if event[0] == "error":
+                    self._json(500, error_body(event[1], "InternalServerError", 500))
+                    return
+                if event[2]:
+                    break
+        finally:
+            app.stream_ended()
+        data = []
+        for index, item in enumerate(inputs):
+            vector = embedding_vector(item)
+            value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode() if encoding == "base64" else vector
+            data.append({"index": index, "object": "embedding", "embedding": value})
+        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0, "prompt_tokens_details": None}
+        self._json(200, {"id": "embd-" + gen.id, "object": "list", "created": int(time.time()), "model": model or app.opts.served_names[0],
+                         "data": data, "usage": usage})  # fmt: skip
 
     def _generate(self, chat: bool):
         app = self.server.app
