@@ -112,6 +112,7 @@ class PolicyState:
     xid_counts: tuple[tuple[XidClass, int], ...] = ()  # XIDs seen, by class
     reset_hold: ResetHold | None = None  # the card needs a reset: no start until r3090ctl restart or a reboot
     gpu_wait: Room | None = None  # WAITING_FOR_GPU: the room the start waits for, and who holds it
+    cold_after: bool = False  # DRAINING in swap mode: once the tree is gone the engine stays COLD (no restart)
 
     @property
     def given_up(self) -> bool:
@@ -125,8 +126,9 @@ class PolicyState:
     canary: canary.CanaryState = field(default_factory=canary.CanaryState)
 
 
-def initial_state(now: float) -> PolicyState:
-    return PolicyState(phase=Phase.STOPPED, phase_since=now)
+def initial_state(now: float, *, cold: bool = False) -> PolicyState:
+    """STOPPED starts an engine at the first tick; COLD (swap mode) waits for the arbiter."""
+    return PolicyState(phase=Phase.COLD if cold else Phase.STOPPED, phase_since=now)
 
 
 @dataclass(frozen=True)
@@ -178,14 +180,17 @@ def backoff_delay(level: int, cfg: Config) -> float:
     return min(cfg.watchdog.backoff_initial * 2 ** (level - 1), cfg.watchdog.backoff_max)
 
 
-def decide(snap: Snapshot, st: PolicyState, cfg: Config, now: float) -> tuple[list[Action], PolicyState]:
+def decide(snap: Snapshot, st: PolicyState, cfg: Config, now: float, *, card: bool = True) -> tuple[list[Action], PolicyState]:
+    """One tick of one engine. `card`: also judge the GPU itself (XIDs, the reset hold, the GPU's alerts); swap mode
+    runs several engines on one card and judges the card once, in core.card, handing the reset hold to each engine."""
     actions: list[Action] = []
     events: list[rules.Condition] = []
     if snap.maintenance is not None and snap.maintenance != st.maintenance:
         st = replace(st, maintenance=snap.maintenance)
     for key, seconds in snap.silences:
         st = replace(st, alerts=alerting.silence(st.alerts, key, now + seconds))
-    st = _gpu_faults(snap, st, cfg, events)
+    if card:
+        st = gpu_faults(snap, st, cfg, events)
     window = cfg.watchdog.restart_storm_window
     st = replace(
         st,
@@ -194,8 +199,8 @@ def decide(snap: Snapshot, st: PolicyState, cfg: Config, now: float) -> tuple[li
     )
     st = _lifecycle(snap, st, cfg, now, actions, events)
     st = _unanswered(snap, st, now)
-    conds = rules.conditions(snap, st.watch, cfg, now, _lifecycle_facts(st, cfg, now), st.blind) + events
-    conds += _hold_conditions(st, cfg)
+    conds = rules.conditions(snap, st.watch, cfg, now, _lifecycle_facts(st, cfg, now), st.blind, card=card) + events
+    conds += ([reset_condition(st.reset_hold)] if card else []) + _hold_conditions(st, cfg)
     conds += suspension.conditions(st.suspension, st.phase, snap, cfg, now)
     alert_actions, book = alerting.evaluate(conds, st.alerts, cfg, now)
     actions.extend(alert_actions)
@@ -223,8 +228,10 @@ def _to(st: PolicyState, phase: Phase, now: float, **changes) -> PolicyState:
 # ------------------------------------------------------------------ GPU faults
 
 
-def _gpu_faults(snap: Snapshot, st: PolicyState, cfg: Config, events: list) -> PolicyState:
-    """XIDs and the driver's recovery action: alerts by class; the reset class holds starts."""
+def gpu_faults(snap: Snapshot, st, cfg: Config, events: list):
+    """XIDs and the driver's recovery action: alerts by class; the reset class holds starts.
+
+    `st` is the PolicyState, or swap mode's CardState: both carry xid_seen, xid_counts and reset_hold."""
     g = snap.gpu
     if not cfg.gpu.required:
         return st
@@ -252,14 +259,16 @@ def _gpu_faults(snap: Snapshot, st: PolicyState, cfg: Config, events: list) -> P
     return st
 
 
-def _hold_conditions(st: PolicyState, cfg: Config) -> list[rules.Condition]:
-    hold = st.reset_hold
-    out = [rules.Condition(
+def reset_condition(hold: ResetHold | None) -> rules.Condition:
+    return rules.Condition(
         "gpu_reset_needed", hold is not None, Severity.CRITICAL,
         f"the GPU needs a reset: {hold.reason}; no engine starts until then: {RESET_PROCEDURE}" if hold
         else "the GPU reset hold is cleared", immediate=True,
-    )]  # fmt: skip
-    out.append(_widened_condition(st, cfg))
+    )  # fmt: skip
+
+
+def _hold_conditions(st: PolicyState, cfg: Config) -> list[rules.Condition]:
+    out = [_widened_condition(st, cfg)]
     wait = st.gpu_wait if st.phase is Phase.WAITING_FOR_GPU else None
     out.append(rules.Condition(
         "gpu_room", wait is not None, Severity.WARNING,
@@ -360,6 +369,12 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
         # Preflight has already waited out the card's other holders before the first start.
         return _start(snap, st, cfg, now, actions, "initial start", automatic=False)
 
+    if st.phase is Phase.COLD:
+        # Swap mode: the arbiter brings the engine in when its model is asked for (or the operator restarts it).
+        if snap.start_requested or snap.restart_requested is not None:
+            return _start(snap, st, cfg, now, actions, "brought in for its model" if snap.start_requested else "started by operator", automatic=True)
+        return st
+
     if st.phase is Phase.RESET_NEEDED:
         if snap.restart_requested is not None:
             # The operator has reset the card (or decided to try): the hold is cleared.
@@ -408,8 +423,14 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
         return _restart(snap, st, cfg, now, actions, events, RestartReason.REQUESTED, "restart requested by operator", drain=drain, counts=False)
     if verdict is not None and not st.maintenance:
         return _fail(snap, st, cfg, now, actions, events, verdict.reason, verdict.detail, drain=verdict.drain)
+    if snap.stop_cold_requested is not None:
+        # Swap mode: stopped drained to make room for another model, and left cold (not restarted).
+        actions.append(StopEngine(drain=True, reason=snap.stop_cold_requested))
+        return _to(st, Phase.DRAINING, now, restart_reason=snap.stop_cold_requested, cold_after=True, tree_gone_at=None, ready_since=None,
+                   old_tree=tuple(sorted(set(snap.child.tree_pids) | ({snap.child.pid} if snap.child.pid else set()))))  # fmt: skip
     if snap.suspend_requested is not None:
-        return _apply(snap, st, cfg, now, actions, events, suspension.begin(snap, cfg, now, snap.suspend_requested, st.canary.baseline))
+        move = suspension.begin(snap, cfg, now, snap.suspend_requested, st.canary.baseline, parked=snap.park)
+        return _apply(snap, st, cfg, now, actions, events, move)
     check = canary.step(st.canary, snap, cfg, now, maintenance=st.maintenance)
     st = replace(st, canary=check.state)
     actions.extend(check.actions)
@@ -602,6 +623,8 @@ def _resume(snap, st, cfg, now, actions) -> PolicyState:
         st = replace(st, stop_due_at=None)
     if not child.tree_gone:
         return st
+    if st.cold_after:
+        return _to(st, Phase.COLD, now, cold_after=False, restart_reason=None, tree_gone_at=None, old_tree=())
     if st.tree_gone_at is None:
         st = replace(st, tree_gone_at=now, death_at=st.death_at if st.death_at is not None else now)
     if snap.gpu.usable and snap.gpu.processes is not None and now - st.tree_gone_at < VRAM_RELEASE_WAIT_S:

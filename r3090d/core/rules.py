@@ -307,9 +307,10 @@ def _after_give_up(life: LifecycleFacts) -> str:
     return "an attempt to start the engine is under way"
 
 
-def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: LifecycleFacts, blind: Blindness = Blindness()) -> list[Condition]:
+def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: LifecycleFacts, blind: Blindness = Blindness(), *,
+               card: bool = True) -> list[Condition]:  # fmt: skip
+    """The alert conditions of one engine; with `card`, also the GPU's (swap mode judges the card once, in core.card)."""
     wd = cfg.watchdog
-    g = snap.gpu
     out: list[Condition] = []
     cause = f"; root cause: {life.root_cause}" if life.root_cause else ""
     out.append(Condition(
@@ -336,35 +337,8 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
     if blind.nvml_polls >= wd.blind_polls:
         blind_what.append(f"NVML failing for {blind.nvml_polls} polls ({blind.nvml_detail}): the GPU rules see nothing")
     out.append(Condition("watchdog_blind", bool(blind_what), Severity.WARNING, "watchdog blind: " + "; ".join(blind_what) if blind_what else "the watchdog sees again"))
-    if cfg.gpu.required:
-        lost = g.lost or g.status is GpuStatus.LOST
-        out.append(Condition("gpu_lost", lost, Severity.CRITICAL, f"GPU {cfg.gpu.index} is lost ({g.detail or 'GpuIsLost'}): reboot needed" if lost else f"GPU {cfg.gpu.index} answers NVML again"))
-        out.append(Condition("nvml_hung", g.hung, Severity.WARNING, f"an NVML call has been stuck for {g.age_s or 0:.0f} s" if g.hung else "NVML answers again"))
-        limit = wd.gpu_memory_alert_mib * MIB
-        if life.phase in SUSPEND_PHASES:
-            # The card is lent: what the borrower uses is none of this alert's business.
-            out.append(Condition("gpu_memory", False, Severity.WARNING, "GPU memory alert paused: the engine is suspended, the GPU lent"))
-        elif g.usable and g.memory_used is not None:
-            over = g.memory_used > limit
-            out.append(Condition("gpu_memory", over, Severity.WARNING, f"GPU memory used {g.memory_used / MIB:.0f} MiB (alert above {wd.gpu_memory_alert_mib} MiB)" if over else f"GPU memory used {g.memory_used / MIB:.0f} MiB, back under {wd.gpu_memory_alert_mib} MiB"))
-        if g.usable and g.temperature_c is not None:
-            hot = g.temperature_c >= wd.temperature_warn_c
-            out.append(Condition("gpu_temperature", hot, Severity.WARNING, f"GPU at {g.temperature_c} C (warning at {wd.temperature_warn_c} C)" if hot else f"GPU cooled to {g.temperature_c} C (warning at {wd.temperature_warn_c} C)"))
-        if g.usable and g.power_w is not None and g.power_limit_w:
-            high = g.power_w >= wd.power_warn_ratio * g.power_limit_w
-            out.append(Condition("gpu_power", high, Severity.WARNING, f"GPU power {g.power_w:.0f} W of a {g.power_limit_w:.0f} W limit (warning at {wd.power_warn_ratio:.0%})" if high else f"GPU power back to {g.power_w:.0f} W of a {g.power_limit_w:.0f} W limit"))
-        if g.usable and g.clock_event_reasons is not None:
-            hit = sorted(set(g.clock_event_reasons) & set(wd.throttle_warn_reasons))
-            out.append(Condition("gpu_throttle", bool(hit), Severity.WARNING, f"GPU clocks held back: {', '.join(hit)}" if hit else "GPU clocks no longer held back"))
-        slope = memory_slope(w.memory_points)
-        if g.usable and g.memory_used is not None and life.phase is Phase.READY:
-            growing = False
-            text = "GPU memory is not growing"
-            if slope is not None and slope > 0:
-                eta = (limit - g.memory_used) / slope
-                growing = 0 < eta <= wd.growth_horizon
-                text = f"GPU memory grows {slope * 3600 / MIB:.0f} MiB/h; crosses {wd.gpu_memory_alert_mib} MiB in {eta / 3600:.1f} h"
-            out.append(Condition("gpu_memory_growth", growing, Severity.WARNING, text))
+    if card:
+        out += card_conditions(snap, w, cfg, life.phase)
     if life.phase is Phase.READY:
         rate = preemption_rate(w)
         rate_text = f", {rate:.1f} preemptions/min" if rate is not None else ""
@@ -373,4 +347,42 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
         out.append(Condition("kv_pressure", w.kv_load, Severity.WARNING, f"KV cache full under load: {counts}{rate_text}" if w.kv_load else f"KV cache has room again: {counts}"))
     backoff = life.phase is Phase.BACKOFF and (life.backoff_remaining or 0) > 0
     out.append(Condition("engine_backoff", backoff, Severity.WARNING, f"engine restart backoff after {life.restart_reason}: {life.backoff_remaining or 0:.0f} s left" if backoff else f"engine restart backoff over (after {life.restart_reason})"))
+    return out
+
+
+def card_conditions(snap: Snapshot, w: WatchState, cfg: Config, phase: Phase) -> list[Condition]:
+    """The GPU's own alerts (lost, NVML hung, memory, temperature, power, throttling, memory growth)."""
+    if not cfg.gpu.required:
+        return []
+    wd = cfg.watchdog
+    g = snap.gpu
+    out: list[Condition] = []
+    lost = g.lost or g.status is GpuStatus.LOST
+    out.append(Condition("gpu_lost", lost, Severity.CRITICAL, f"GPU {cfg.gpu.index} is lost ({g.detail or 'GpuIsLost'}): reboot needed" if lost else f"GPU {cfg.gpu.index} answers NVML again"))
+    out.append(Condition("nvml_hung", g.hung, Severity.WARNING, f"an NVML call has been stuck for {g.age_s or 0:.0f} s" if g.hung else "NVML answers again"))
+    limit = wd.gpu_memory_alert_mib * MIB
+    if phase in SUSPEND_PHASES:
+        # The card is lent: what the borrower uses is none of this alert's business.
+        out.append(Condition("gpu_memory", False, Severity.WARNING, "GPU memory alert paused: the engine is suspended, the GPU lent"))
+    elif g.usable and g.memory_used is not None:
+        over = g.memory_used > limit
+        out.append(Condition("gpu_memory", over, Severity.WARNING, f"GPU memory used {g.memory_used / MIB:.0f} MiB (alert above {wd.gpu_memory_alert_mib} MiB)" if over else f"GPU memory used {g.memory_used / MIB:.0f} MiB, back under {wd.gpu_memory_alert_mib} MiB"))
+    if g.usable and g.temperature_c is not None:
+        hot = g.temperature_c >= wd.temperature_warn_c
+        out.append(Condition("gpu_temperature", hot, Severity.WARNING, f"GPU at {g.temperature_c} C (warning at {wd.temperature_warn_c} C)" if hot else f"GPU cooled to {g.temperature_c} C (warning at {wd.temperature_warn_c} C)"))
+    if g.usable and g.power_w is not None and g.power_limit_w:
+        high = g.power_w >= wd.power_warn_ratio * g.power_limit_w
+        out.append(Condition("gpu_power", high, Severity.WARNING, f"GPU power {g.power_w:.0f} W of a {g.power_limit_w:.0f} W limit (warning at {wd.power_warn_ratio:.0%})" if high else f"GPU power back to {g.power_w:.0f} W of a {g.power_limit_w:.0f} W limit"))
+    if g.usable and g.clock_event_reasons is not None:
+        hit = sorted(set(g.clock_event_reasons) & set(wd.throttle_warn_reasons))
+        out.append(Condition("gpu_throttle", bool(hit), Severity.WARNING, f"GPU clocks held back: {', '.join(hit)}" if hit else "GPU clocks no longer held back"))
+    slope = memory_slope(w.memory_points)
+    if g.usable and g.memory_used is not None and phase is Phase.READY:
+        growing = False
+        text = "GPU memory is not growing"
+        if slope is not None and slope > 0:
+            eta = (limit - g.memory_used) / slope
+            growing = 0 < eta <= wd.growth_horizon
+            text = f"GPU memory grows {slope * 3600 / MIB:.0f} MiB/h; crosses {wd.gpu_memory_alert_mib} MiB in {eta / 3600:.1f} h"
+        out.append(Condition("gpu_memory_growth", growing, Severity.WARNING, text))
     return out

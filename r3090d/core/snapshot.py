@@ -273,5 +273,11 @@ class Snapshot:
     # r3090ctl suspend / resume, accepted under this request number (the reply's "request").
     suspend_requested: int | None = None
     resume_requested: int | None = None
+    # Swap mode: the arbiter's word for this engine (r3090d.core.arbiter). A park is a suspend request
+    # (suspend_requested) that is not the operator's; a start brings a COLD engine in; a stop to cold
+    # stops a READY one drained and leaves it COLD (its reason here).
+    park: bool = False
+    start_requested: bool = False
+    stop_cold_requested: str | None = None
     suspender: SuspendSample | None = None  # the suspend worker's latest operation; None: no suspender
     process_names: tuple[tuple[int, str], ...] = ()  # (pid, name) of the GPU's processes, read while suspended

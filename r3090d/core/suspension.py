@@ -127,6 +127,7 @@ class Suspension:
     error: str = ""  # the last refusal or failure, one line
     baseline: CanaryAnswer | None = None  # the canary's known answer: a resume must give it back
     canary_retried: bool = False  # CANARY: the comparison was sent again after an inconclusive (or no) answer
+    parked: bool = False  # swap mode: the arbiter parked it to bring another model in, not the operator's suspension
 
     @property
     def phase(self) -> Phase:
@@ -292,14 +293,14 @@ def resume_room(s: Suspension, snap: Snapshot, cfg: Config) -> tuple[bool, str]:
 # ------------------------------------------------------------------ stages
 
 
-def begin(snap: Snapshot, cfg: Config, now: float, request: int, baseline: CanaryAnswer | None = None) -> Move:
+def begin(snap: Snapshot, cfg: Config, now: float, request: int, baseline: CanaryAnswer | None = None, *, parked: bool = False) -> Move:
     """READY and `r3090ctl suspend` accepted: start draining, or refuse if things changed since the reply."""
     refusal = suspend_refusal(cfg, Phase.READY, snap)
     if refusal is not None:
         result = Result.UNAVAILABLE if refusal.unavailable else Result.REFUSED
         return Move(None, Phase.READY, result=SuspendResult(request, "suspend", result, refusal.text, now))
     pid, held, _ = target(snap)
-    return Move(Suspension(Stage.DRAINING, now, request, target=pid, bytes=held, baseline=baseline), Phase.SUSPENDING)
+    return Move(Suspension(Stage.DRAINING, now, request, target=pid, bytes=held, baseline=baseline, parked=parked), Phase.SUSPENDING)
 
 
 def from_record(record: SuspendRecord, now: float, since: float) -> Suspension:
@@ -598,7 +599,8 @@ def conditions(s: Suspension | None, phase: Phase, snap: Snapshot, cfg: Config, 
     """suspended_long: a reminder after suspend.remind_after; suspend_stuck: a driver call past its deadline."""
     # Standing while suspended and while a resume checks for room (a refused one changes nothing);
     # kept through a daemon shutdown, which does not end the suspension either.
-    since = s.since if s is not None and s.stage in (Stage.SUSPENDED, Stage.CHECKING) else None
+    # A parked engine (swap mode) is the arbiter's choice, not a card lent and forgotten: no reminder.
+    since = s.since if s is not None and s.stage in (Stage.SUSPENDED, Stage.CHECKING) and not s.parked else None
     long = since is not None and now - since >= cfg.suspend.remind_after
     held = "no engine process (it starts cold)" if s is not None and s.cold else f"the engine holds {_gib(s.bytes if s else 0)} of host memory"
     out = [Condition(

@@ -26,6 +26,9 @@ class Phase(enum.StrEnum):
     SUSPENDING = "suspending"  # draining, then the driver checkpoints the engine
     SUSPENDED = "suspended"  # the engine's GPU memory is in its host memory, or the engine is down
     RESUMING = "resuming"  # room checked, memory restored; /health and a probe must pass
+    # Swap mode (several models on one card): no engine process, by the arbiter's choice. It starts
+    # when its model is asked for; nothing judges it, and it is not an outage.
+    COLD = "cold"
 
 
 # While suspending, suspended or resuming, no liveness rule judges the engine.

@@ -20,39 +20,24 @@ import time
 from pathlib import Path
 
 from r3090d import __version__, exitcodes
-from r3090d import argv as argvmod
 from r3090d.atomicfile import write_json_atomic
 from r3090d.config import Config
 from r3090d.core import policy
-from r3090d.core.actions import (
-    Exit,
-    RecordRestart,
-    SaveBaseline,
-    SendAlert,
-    SendCanary,
-    SendInferenceProbe,
-    StartEngine,
-    StopEngine,
-)
 from r3090d.core.snapshot import Snapshot
 from r3090d.core.vocabulary import Phase
-from r3090d.effectors import alertformat
-from r3090d.effectors.child import DRAIN_MARGIN_S, EngineProcess
 from r3090d.effectors.reaper import ChildReaper
 from r3090d.effectors.systemd import Notifier, watchdog_warning
-from r3090d.service import baselines, commands, forensics, resethold, safedir
+from r3090d.service import commands, resethold, safedir
 from r3090d.service.control import start_plane
 from r3090d.service.exporter import TickStats
 from r3090d.service.preflight_runner import PreflightRunner
 from r3090d.service.report import report, status_line
-from r3090d.service.sampling import Sampler
 from r3090d.service.state import STATE_FILE, carried_over, wall_offset
 from r3090d.service.statedoc import DaemonIdentity, PreflightSummary
-from r3090d.service.suspend import SuspendService
+from r3090d.service.unit import EngineUnit
 
 log = logging.getLogger("r3090d")
 
-LOADING_LOG_EVERY_S = 10.0
 STARTING_POLL_S = 0.1
 
 
@@ -80,7 +65,7 @@ class Daemon:
         self.engine_version = engine_version
         self.wake = threading.Event()
         self.signals: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self.engine = EngineProcess(self.wake)
+        self.unit = EngineUnit(cfg, argv, self.wake, gpu_monitor=gpu_monitor, engine_version=engine_version)
         # As PID 1 (a container's main process), orphans of the engine's tree are ours to
         # reap; the engine's own exit status stays with its waiter thread.
         self.reaper = ChildReaper(keep=lambda: (self.engine.sample().pid,))
@@ -91,11 +76,6 @@ class Daemon:
         self.identity = DaemonIdentity(pid=os.getpid(), started_at=time.time(), version=__version__, host=socket.gethostname())
         self.state_dir = Path(cfg.daemon.state_dir)
         self.state_path = self.state_dir / STATE_FILE
-        self.suspend = SuspendService(cfg, self.state_dir, self.wake, self.engine.channel)
-        self.sampler = Sampler(cfg, self.engine, gpu_monitor, self.wake, self.suspend)
-        self.last_snap: Snapshot | None = None  # what suspend's immediate answer is judged on
-        self.last_restart_record: Path | None = None
-        self.pending = commands.Pending()  # control-plane requests for the next decide()
         self.shutdown = False
         self.preflight_summary: PreflightSummary | None = None
         # Control-plane requests: (request dict, reply callable), handled in the loop
@@ -103,12 +83,37 @@ class Daemon:
         self.control_queue: queue.SimpleQueue = queue.SimpleQueue()
         self.latest_doc: dict | None = None  # the last state document written
         self.gpu_identity: tuple | None = None  # (name, index, uuid) named in alerts, once NVML has answered
-        self.baselines = baselines.BaselineStore(self.state_dir)
-        self.baseline_deps: dict | None = None  # what the current engine's canary baseline depends on
         self.tick_stats = TickStats()  # tick-duration histogram for the exporter
         self.boot_id = resethold.boot_id()
-        self.st = policy.initial_state(time.monotonic())
-        self._last_loading_log = 0.0
+
+    # The one engine's pieces, by the names the reload and the tests use.
+    @property
+    def engine(self):
+        return self.unit.engine
+
+    @property
+    def sampler(self):
+        return self.unit.sampler
+
+    @property
+    def suspend(self):
+        return self.unit.suspend
+
+    @property
+    def pending(self) -> commands.Pending:
+        return self.unit.pending
+
+    @property
+    def last_snap(self) -> Snapshot | None:
+        return self.unit.last_snap
+
+    @property
+    def st(self) -> policy.PolicyState:
+        return self.unit.st
+
+    @st.setter
+    def st(self, value: policy.PolicyState) -> None:
+        self.unit.st = value
 
     # ------------------------------------------------------------ signals
 
@@ -161,9 +166,8 @@ class Daemon:
 
     # ------------------------------------------------------------ probing
 
-    def snapshot(self, st: policy.PolicyState) -> Snapshot:
-        snap = self.sampler.take(st.phase, shutdown=self.shutdown, pending=self.pending, probe=policy.probes_engine(st))
-        self.last_snap = snap
+    def snapshot(self, unit: EngineUnit) -> Snapshot:
+        snap = unit.snapshot(shutdown=self.shutdown)
         if snap.gpu.usable:
             self.gpu_identity = (snap.gpu.name, snap.gpu.index, snap.gpu.uuid)
             if self.alerts is not None:
@@ -172,45 +176,9 @@ class Daemon:
 
     # ---------------------------------------------------------- effecting
 
-    def execute(self, actions, snap: Snapshot) -> int | None:
-        exit_code = None
-        for action in actions:
-            if isinstance(action, StartEngine):
-                log.info("starting engine (%s)", action.reason)
-                self.sampler.prober.reset()
-                gpu_name = self.gpu_identity[0] if self.gpu_identity else None
-                self.baseline_deps = baselines.dependencies(self.cfg, self.argv, self.engine_version, gpu_name)
-                self.sampler.canary.reset(self.baselines.load(self.baseline_deps) if self.cfg.canary.enabled else None)
-                env = argvmod.engine_env(self.cfg, dict(os.environ))
-                self.engine.spawn(self.argv, env)
-            elif isinstance(action, StopEngine):
-                how = "drained" if action.drain else "fast"
-                log.info("stopping engine (%s, %s)", how, action.reason)
-                self.engine.stop(drain=action.drain, drain_timeout=self.cfg.engine.shutdown_timeout + DRAIN_MARGIN_S)
-            elif isinstance(action, RecordRestart):
-                cause = f"; root cause: {action.root_cause}" if action.root_cause else ""
-                log.warning("engine restart: %s: %s%s", action.reason, action.detail, cause)
-                self.last_restart_record = forensics.record(self.state_dir, action, snap, self.engine.log_tail(), self.sampler.last_metrics_text)
-            elif isinstance(action, SendAlert):
-                log.log(alertformat.log_level(action), "alert %s %s: %s", action.key, action.state, action.summary)
-                if self.alerts is not None:
-                    self.alerts.submit(action)
-            elif isinstance(action, SendInferenceProbe):
-                self.sampler.prober.send()
-            elif isinstance(action, SendCanary):
-                self.sampler.canary.send(action.purpose)
-            elif isinstance(action, SaveBaseline):
-                if self.baseline_deps is None:  # an engine this daemon did not start (resumed from an earlier one)
-                    gpu_name = self.gpu_identity[0] if self.gpu_identity else None
-                    self.baseline_deps = baselines.dependencies(self.cfg, self.argv, self.engine_version, gpu_name)
-                self.baselines.save(self.baseline_deps, action.answer)
-            elif isinstance(action, Exit):
-                exit_code = action.code
-                if action.code == exitcodes.GAVE_UP:
-                    log.error("giving up: %s (exit %d, daemon.exit_on_give_up)", action.reason, action.code)
-            else:
-                self.suspend.execute(action, snap.child, self.sampler)
-        return exit_code
+    def execute(self, actions, snap: Snapshot, unit: EngineUnit | None = None) -> int | None:
+        gpu_name = self.gpu_identity[0] if self.gpu_identity else None
+        return (unit or self.unit).execute(actions, snap, alerts=self.alerts, gpu_name=gpu_name)
 
     # ---------------------------------------------------------- preflight
 
@@ -267,7 +235,7 @@ class Daemon:
                 self._handle_signals()
                 self._handle_control()
                 tick_start = time.monotonic()
-                snap = self.snapshot(self.st)
+                snap = self.snapshot(self.unit)
                 old_phase, old_hold = self.st.phase, self.st.reset_hold
                 actions, self.st = policy.decide(snap, self.st, self.cfg, snap.now)
                 if self.st.reset_hold != old_hold:
@@ -280,10 +248,7 @@ class Daemon:
                 if code is None:
                     self.wake.wait(max(0.0, tick_start + self.tick_interval() - time.monotonic()))
         finally:
-            sample = self.engine.sample()
-            if sample.alive or sample.tree_pids:
-                log.error("daemon leaving with the engine still running: killing its process group")
-                self.engine.kill_now()
+            self.unit.kill_if_running()
             plane.stop()
         self._close_helpers()
         log.info("exit %d", code)
@@ -317,25 +282,8 @@ class Daemon:
             log.warning("%s", warning)
 
     def _after_tick(self, old_phase: Phase, st: policy.PolicyState, snap: Snapshot, tick_s: float) -> None:
-        now = snap.now
-        if st.phase is Phase.READY and old_phase not in (Phase.READY, Phase.RESUMING):  # a resume logs its own line
-            took = now - (snap.child.started_at or now)
-            log.info("engine ready in %.1f s (pid %s) at %s: %s", took, snap.child.pid, self.cfg.engine_url, status_line(st, snap))
-            if self.last_restart_record is not None:
-                forensics.mark_ready(self.last_restart_record, now - (st.last_restart_at or now))
-                self.last_restart_record = None
+        if self.unit.log_transitions(old_phase, snap, status_line(st, snap)):
             collect_garbage()
-        if st.phase is Phase.GIVEN_UP and old_phase is not Phase.GIVEN_UP:
-            if self.cfg.daemon.exit_on_give_up:
-                log.error("gave up: %s; the daemon exits %d once the engine is stopped (daemon.exit_on_give_up)", st.give_up_reason, exitcodes.GAVE_UP)
-            elif st.retry_at is not None:
-                log.error("gave up: %s; the engine stays stopped, the daemon stays up; it tries again in %.0f s (watchdog.give_up_retry), "
-                          "r3090ctl restart starts it now", st.give_up_reason, st.retry_at - now)  # fmt: skip
-            else:
-                log.error("gave up: %s; the engine stays stopped, the daemon stays up (r3090ctl restart starts it again)", st.give_up_reason)
-        if st.phase is Phase.STARTING and now - self._last_loading_log >= LOADING_LOG_EVERY_S:
-            self._last_loading_log = now
-            log.info("loading model (%.0f s)", now - st.phase_since)
         # A give-up or a suspension still lets the unit become active: the daemon is up,
         # alerting and answering, and `systemctl status` shows why through STATUS=.
         # So does a wait for the card (held by others, or needing a reset): a boot that finds the
