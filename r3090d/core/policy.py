@@ -52,6 +52,7 @@ from r3090d.core.actions import (
     Exit,
     RecordRestart,
     RequestGpuSample,
+    SaveSuspension,
     SendInferenceProbe,
     StartEngine,
     StopEngine,
@@ -639,7 +640,15 @@ def _resume(snap, st, cfg, now, actions) -> PolicyState:
 
 
 def _suspension(snap, st, cfg, now, actions, events) -> PolicyState:
-    """SUSPENDING, SUSPENDED, RESUMING: the stage machine of r3090d.core.suspension, and nothing else."""
+    """SUSPENDING, SUSPENDED, RESUMING: the stage machine of r3090d.core.suspension, and nothing else
+    (but swap mode's eviction of a parked engine to make room in host memory)."""
+    if snap.stop_cold_requested is not None and st.suspension.stage is suspension.Stage.SUSPENDED:
+        # Its GPU memory is in its host RAM and its process frozen: nothing to drain, stop it at once.
+        if snap.child.alive or snap.child.tree_pids:
+            actions.append(StopEngine(drain=False, reason=snap.stop_cold_requested))
+        actions.append(SaveSuspension(None))
+        return _to(st, Phase.DRAINING, now, suspension=None, restart_reason=snap.stop_cold_requested, cold_after=True,
+                   tree_gone_at=None, old_tree=tuple(snap.child.tree_pids))  # fmt: skip
     if st.reset_hold is not None and snap.resume_requested is not None:
         snap = replace(snap, resume_requested=None)  # refused below (_unanswered): the card needs a reset first
     return _apply(snap, st, cfg, now, actions, events, suspension.advance(st.suspension, snap, cfg, now, lb_grace(cfg)))

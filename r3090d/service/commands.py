@@ -41,6 +41,10 @@ class Pending:
     suspend: int | None = None  # the accepted request's number
     resume: int | None = None
     requests: int = 0  # suspend/resume requests numbered so far (never cleared)
+    # Swap mode, the arbiter's word (r3090d.core.arbiter): the suspend above is a park; a start; a stop to cold.
+    park: bool = False
+    start: bool = False
+    stop_cold: str | None = None
 
     def take(self) -> tuple[RestartKind | None, bool | None, tuple[tuple[str, float], ...]]:
         taken = (self.restart, self.maintenance, tuple(self.silences))
@@ -51,6 +55,16 @@ class Pending:
         taken = (self.suspend, self.resume)
         self.suspend, self.resume = None, None
         return taken
+
+    def take_swap(self) -> tuple[bool, bool, str | None]:
+        taken = (self.park, self.start, self.stop_cold)
+        self.park, self.start, self.stop_cold = False, False, None
+        return taken
+
+    def number(self) -> int:
+        """The next request number (an operator's suspend or resume, or the arbiter's park or unpark)."""
+        self.requests += 1
+        return self.requests
 
 
 def answer(request: dict, pending: Pending, *, phase: Phase, generation: int, exit_on_give_up: bool) -> dict:

@@ -67,6 +67,7 @@ class Sampler:
                 metrics, self.last_metrics_text = self.probe.metrics()
         restart, maintenance, silences = pending.take()
         suspend, resume = pending.take_suspend()
+        park, start, stop_cold = pending.take_swap()
         gpu = self.gpu()
         return Snapshot(
             now=now,
@@ -83,6 +84,9 @@ class Sampler:
             silences=silences,
             suspend_requested=suspend,
             resume_requested=resume,
+            park=park,
+            start_requested=start,
+            stop_cold_requested=stop_cold,
             suspender=self.suspend.sample() if self.suspend is not None else None,
             # Names for a refused resume or a start waiting for the card ("held by pid N (name)"):
             # read only while the GPU is lent, or held by others.
