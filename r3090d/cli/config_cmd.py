@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -28,7 +29,7 @@ def config_group() -> None:
 @instance_option
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def check(config_path, instance, as_json) -> int:
-    """Validate the config; print it (secrets redacted) and the vLLM command line."""
+    """Validate the config; print it (secrets redacted) and the vLLM command line (one per model in swap mode)."""
     cfg = load_config(config_path, instance)
     from r3090d.effectors.channels import check_config as check_alerts
 
@@ -37,33 +38,104 @@ def check(config_path, instance, as_json) -> int:
         version = argvmod.engine_version(cfg.engine.python)
     except argvmod.EngineNotInstalled as exc:
         raise ConfigError(cfg.source, "engine.python", str(exc), "point it at the venv vLLM is installed in (make engine)") from None
-    argv = argvmod.build_argv(cfg, version)
-    from r3090d.measure import modelinfo
-
-    model = modelinfo.read_model_dir(cfg.engine.model)
-    if model.config is not None:
-        _check_context(cfg, model.config, Path(model.path) / "config.json")
-    step = _longest_step(cfg, model)
-    warnings = [*cfg.warnings, *steps.window_warnings(cfg.watchdog, step)]
+    engines = [_check_engine(cfg, index, name, engine, version) for index, (name, engine) in enumerate(configmod.engine_configs(cfg).items())]
+    single = None if cfg.swap_mode else _check_engine(cfg, None, cfg.model_name, cfg, version)
+    step_warnings = [f"{e.name}: {w}" for e in engines for w in e.warnings] if cfg.swap_mode else list(single.warnings)
+    warnings = [*cfg.warnings, *step_warnings]
     for warning in warnings:  # removed keys, windows too short for the engine's step; stderr keeps --json clean
         click.echo(f"WARN {warning}", err=True)
     if as_json:
-        emit_json({"config": configmod.redacted(cfg), "vllm_version": str(version), "argv": argv, "warnings": warnings,
-                   "longest_step": {"seconds": round(step.seconds, 2), "estimate": step.describe()}})  # fmt: skip
+        doc = {"config": configmod.redacted(cfg), "vllm_version": str(version), "warnings": warnings}
+        if single is not None:
+            doc |= {"argv": single.argv, "longest_step": single.longest_step_json()}
+        else:
+            doc |= {"argv": None, "engines": [e.as_json() for e in engines]}
+        emit_json(doc)
         return 0
     click.echo(f"# {cfg.source}: valid")
     click.echo(f"# vLLM {version} at {cfg.engine.python}")
     for section, values in configmod.redacted(cfg).items():
+        if section == "models" or (section == "swap" and not cfg.swap_mode):
+            continue  # the models are shown below, one line each; [swap] means nothing without them
         if isinstance(values, dict):
             click.echo(f"[{section}]")
             for k, v in values.items():
                 click.echo(f"  {k} = {v!r}")
         else:
             click.echo(f"{section} = {values!r}")
-    click.echo("argv: " + shlex.join(argv))
-    if cfg.api_key:
-        click.echo("environment: VLLM_API_KEY=<redacted> (from engine.api_key_file)")
+    if single is not None:
+        click.echo("argv: " + shlex.join(single.argv))
+        if cfg.api_key:
+            click.echo("environment: VLLM_API_KEY=<redacted> (from engine.api_key_file)")
+        return 0
+    click.echo(f"models: {len(engines)}, served by the router on {cfg.engine.host}:{cfg.engine.port}"
+               + (" (API key from swap.api_key_file)" if cfg.api_key else ""))  # fmt: skip
+    width = max(len(e.name) for e in engines)
+    for e in engines:
+        click.echo(f"  {e.name:<{width}}  {e.kind:<8}  {e.host}:{e.port}  profile {e.profile}  {e.model}")
+    for e in engines:
+        click.echo(f"argv {e.name}: " + shlex.join(e.argv))
+        if e.api_key_from:
+            click.echo(f"environment {e.name}: VLLM_API_KEY=<redacted> (from {e.api_key_from})")
     return 0
+
+
+@dataclass(frozen=True)
+class EngineCheck:
+    """One engine's line of `config check`: what it serves, where, and the command line that starts it."""
+
+    name: str
+    kind: str
+    model: str
+    host: str
+    port: int
+    profile: str
+    argv: list[str]
+    step: steps.StepEstimate
+    warnings: tuple[str, ...]
+    api_key_from: str  # the setting its key was read from, or ""
+
+    def longest_step_json(self) -> dict:
+        return {"seconds": round(self.step.seconds, 2), "estimate": self.step.describe()}
+
+    def as_json(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "model": self.model, "host": self.host, "port": self.port,
+                "profile": self.profile, "argv": self.argv, "longest_step": self.longest_step_json(),
+                "api_key_from": self.api_key_from}  # fmt: skip
+
+
+def _check_engine(cfg, index: int | None, name: str, engine, version) -> EngineCheck:
+    """One engine's checks: its argv for the installed vLLM, its context against its model, its longest step.
+
+    `engine` is the engine's own Config (cfg itself outside swap mode); for models[index] an
+    error names that entry's keys, not the [engine] ones the derived Config holds them in."""
+    from r3090d.measure import modelinfo
+
+    try:
+        argv = argvmod.build_argv(engine, version)
+        model = modelinfo.read_model_dir(engine.engine.model)
+        if model.config is not None:
+            _check_context(engine, model.config, Path(model.path) / "config.json")
+    except ConfigError as exc:
+        if index is None:
+            raise
+        raise _in_entry(exc, cfg, index) from None
+    step = _longest_step(engine, model)
+    where = f"models[{index}]." if index is not None else "engine."
+    api_key_from = f"{where}api_key_file" if engine.api_key else ""
+    return EngineCheck(name, str(engine.engine.kind), engine.engine.model, engine.engine.host, engine.engine.port, engine.profile,
+                       argv, step, tuple(steps.window_warnings(engine.watchdog, step)), api_key_from)  # fmt: skip
+
+
+def _in_entry(exc: ConfigError, cfg, index: int) -> ConfigError:
+    """An error about a derived engine Config, keyed as the [[models]] entry it came from."""
+    key = exc.key or ""
+    where = f"models[{index}]"
+    if key.startswith("engine.extra_args"):
+        key = where + key.removeprefix("engine")
+    elif key == "profile" and cfg.models[index].profile:
+        key = f"{where}.profile"
+    return ConfigError(exc.path, key or None, exc.problem, exc.fix)
 
 
 def _check_context(cfg, model_config: dict, config_json: Path) -> None:

@@ -8,7 +8,8 @@ checking and the unknown-key check, so there is one place to add a key.
 The package: `schema` (the sections as dataclasses, their limits and the
 built-in profiles), `loading` (TOML to a checked Config: types, ranges,
 migration of removed keys, the checks across keys), `secret` (secret files,
-and the configuration as printed, secrets redacted), `errors` (ConfigError).
+and the configuration as printed, secrets redacted), `errors` (ConfigError),
+`models` (swap mode: each [[models]] entry as its engine's own Config).
 Callers import from `r3090d.config`, which re-exports what they use: the
 schema at once, the rest (the loader and its file and environment reading) on
 first use, so the pure core can import the schema without loading the loader.
@@ -29,10 +30,13 @@ from r3090d.config.schema import (
     DaemonConfig,
     EmailConfig,
     EngineConfig,
+    EngineKind,
     GpuConfig,
+    ModelConfig,
     PreflightConfig,
     Profile,
     SuspendConfig,
+    SwapConfig,
     SyslogConfig,
     WatchdogConfig,
     resolve_profiles,
@@ -47,6 +51,7 @@ _ON_FIRST_USE = {
         "loading",
     ),
     **dict.fromkeys(("SECRET_MAX_BYTES", "read_secret", "redacted"), "secret"),
+    **dict.fromkeys(("engine_configs", "engine_port"), "models"),
 }  # fmt: skip
 
 
@@ -55,9 +60,9 @@ def __getattr__(name: str):
     home = _ON_FIRST_USE.get(name)
     if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from r3090d.config import errors, loading, secret
+    from r3090d.config import errors, loading, models, secret
 
-    value = getattr({"errors": errors, "loading": loading, "secret": secret}[home], name)
+    value = getattr({"errors": errors, "loading": loading, "models": models, "secret": secret}[home], name)
     globals()[name] = value
     return value
 
@@ -76,10 +81,13 @@ __all__ = [
     "DaemonConfig",
     "EmailConfig",
     "EngineConfig",
+    "EngineKind",
     "GpuConfig",
+    "ModelConfig",
     "PreflightConfig",
     "Profile",
     "SuspendConfig",
+    "SwapConfig",
     "CanaryConfig",
     "SyslogConfig",
     "WatchdogConfig",

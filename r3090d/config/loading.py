@@ -12,27 +12,34 @@ import dataclasses
 import ipaddress
 import math
 import os
+import re
 import tomllib
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from r3090d.cards import ANY_CARD, CARDS
 from r3090d.config.errors import ConfigError, format_message, show, toml_key
+from r3090d.config.models import model_dir_name, port_for
 from r3090d.config.schema import (
     ARGV_BUDGET,
     DERIVED_FIELDS,
     MAX_GPU_INDEX,
+    MAX_MODEL_NAME,
+    MAX_MODELS,
     MAX_PORT,
     MAX_TEXT,
     NAME_MAX,
     NO_PROFILE,
+    PORTS_PER_INSTANCE,
     AlertmanagerConfig,
     Config,
-    EngineConfig,
+    EngineKind,
+    ModelConfig,
     Profile,
     Spec,
     WatchdogConfig,
@@ -40,7 +47,7 @@ from r3090d.config.schema import (
     spec_of,
 )
 from r3090d.config.secret import read_api_key, read_secret
-from r3090d.engineflags import canonical_flag
+from r3090d.engineflags import canonical_flag, flag_occurrence
 
 DEFAULT_PATH = Path("/etc/r3090d/r3090d.toml")
 ENV_CONFIG = "R3090D_CONFIG"
@@ -111,13 +118,54 @@ def from_dict(data: dict, path: Path | str = "<config>", instance: int | None = 
     data, warnings = _migrate(data, str(path))
     cfg = _build(Config, data, path, "")
     cfg = dataclasses.replace(cfg, profiles=_profile_tables(cfg.profiles, path))
+    cfg = _check_mode(cfg, data, path)
     _check_instance(cfg, instance, path)
+    _check_engine_ports(cfg, instance, path)
     cfg = _apply_instance(cfg, instance)
     cfg = dataclasses.replace(cfg, source=str(path), instance=instance, warnings=warnings)
     _validate(cfg, path, check_files=check_files)
-    if check_files and cfg.engine.api_key_file:
-        cfg = dataclasses.replace(cfg, api_key=read_api_key(path, cfg.engine.api_key_file))
-    return cfg
+    return _read_api_keys(cfg, path) if check_files else cfg
+
+
+def _read_api_keys(cfg: Config, path) -> Config:
+    """The keys from their files: each engine's, and the one of what listens at engine.host:engine.port."""
+    if not cfg.models:
+        return dataclasses.replace(cfg, api_key=read_api_key(path, cfg.engine.api_key_file)) if cfg.engine.api_key_file else cfg
+    models = tuple(
+        dataclasses.replace(m, api_key=read_api_key(path, m.api_key_file, f"models[{i}].api_key_file")) if m.api_key_file else m
+        for i, m in enumerate(cfg.models)
+    )
+    router_key = read_api_key(path, cfg.swap.api_key_file, "swap.api_key_file") if cfg.swap.api_key_file else ""
+    return dataclasses.replace(cfg, models=models, api_key=router_key)
+
+
+# [engine] keys that belong to one model in swap mode, and where each goes.
+_KEYS_OF_A_MODEL = {
+    "model": "move it into a [[models]] entry (model = ...)",
+    "served_model_name": "move it into a [[models]] entry as its name (name = ...)",
+    "extra_args": "move it into the [[models]] entries that need it (extra_args = [...])",
+    "kind": "set kind in each [[models]] entry",
+    "api_key_file": "set swap.api_key_file for the router's key, and models[N].api_key_file for an engine's",
+}
+
+
+def _check_mode(cfg: Config, data: dict, path) -> Config:
+    """Swap mode ([[models]]) or one engine: the keys each allows; no canary where no engine is generative."""
+    engine_table = data.get("engine", {})  # a table: _build checked it
+    if cfg.models:
+        for key, fix in _KEYS_OF_A_MODEL.items():
+            if key in engine_table:
+                raise ConfigError(path, f"engine.{key}", "is one model's setting, and [[models]] lists the models (swap mode)", fix)
+    elif "swap" in data:
+        raise ConfigError(path, "swap", "is set but there is no [[models]] entry", "add [[models]] entries to serve several models through the router, or remove [swap]")
+    kinds = {m.kind for m in cfg.models} if cfg.models else {cfg.engine.kind}
+    if EngineKind.GENERATE in kinds:
+        return cfg
+    canary_table = data.get("canary", {})
+    if canary_table.get("enabled") is True:
+        raise ConfigError(path, "canary.enabled", "is true but no engine is generative: the canary is a completion, which an embedding engine refuses",
+                          'remove it (embedding engines get no canary), or serve a kind = "generate" model')  # fmt: skip
+    return dataclasses.replace(cfg, canary=dataclasses.replace(cfg.canary, enabled=False))
 
 
 def _check_instance(cfg: Config, instance: int | None, path) -> None:
@@ -133,6 +181,39 @@ def _check_instance(cfg: Config, instance: int | None, path) -> None:
                 key,
                 f"{port} + {instance} for instance r3090d@{instance} is {port + instance}, above {MAX_PORT}",
                 f"set {key} to at most {MAX_PORT - instance}",
+            )
+
+
+def _check_engine_ports(cfg: Config, instance: int | None, path) -> None:
+    """Swap mode: this instance's engine ports are ports, and none is a public or exporter port of any instance."""
+    if not cfg.models:
+        return
+    count = len(cfg.models)
+    if count > MAX_MODELS:
+        raise ConfigError(path, "models", f"lists {count} models, more than the {MAX_MODELS} engine ports each instance has", f"keep at most {MAX_MODELS} [[models]] entries")
+    n = instance or 0
+    base = cfg.swap.engine_port_base
+    first, last = port_for(base, instance, 0), port_for(base, instance, count - 1)
+    if last > MAX_PORT:
+        raise ConfigError(
+            path,
+            "swap.engine_port_base",
+            f"the engine ports of r3090d@{n} ({base} + {PORTS_PER_INSTANCE} x {n} + 0..{count - 1}) end at {last}, above {MAX_PORT}",
+            f"set swap.engine_port_base to at most {MAX_PORT - PORTS_PER_INSTANCE * n - count + 1}",
+        )
+    taken = [("engine.port", cfg.engine.port)]
+    if cfg.daemon.exporter_enabled:
+        taken.append(("daemon.exporter_port", cfg.daemon.exporter_port))
+    for key, port in taken:
+        lo, hi = port, min(port + MAX_GPU_INDEX, MAX_PORT)  # key + N for r3090d@N
+        if first <= hi and lo <= last:
+            clash = max(first, lo)
+            name = cfg.models[clash - first].name
+            raise ConfigError(
+                path,
+                "swap.engine_port_base",
+                f"engine port {clash} (models[{clash - first}], {show(name)}, r3090d@{n}) is among the ports {key} takes ({lo}-{hi}: {key} + N for r3090d@N)",
+                f"move swap.engine_port_base clear of {lo}-{hi} (engine i of r3090d@N listens on engine_port_base + {PORTS_PER_INSTANCE} x N + i)",
             )
 
 
@@ -241,11 +322,46 @@ def _build(cls, data, path, prefix):
         if dataclasses.is_dataclass(ftype):
             kwargs[key] = _build(ftype, value, path, dotted + ".")
             continue
+        entry_type = _entry_type(ftype)
+        if entry_type is not None:
+            kwargs[key] = _build_entries(entry_type, value, path, dotted)
+            continue
         kwargs[key] = _check_value(value, ftype, spec_of(fields[key]), path, dotted)
     return cls(**kwargs)
 
 
+def _entry_type(ftype) -> type | None:
+    """The section type of an array of tables (`tuple[ModelConfig, ...]`: [[models]]), else None."""
+    if typing.get_origin(ftype) is tuple:
+        args = typing.get_args(ftype)
+        if len(args) == 2 and args[1] is Ellipsis and dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return None
+
+
+def _build_entries(cls, value, path, dotted: str) -> tuple:
+    """An array of tables, each entry checked against `cls`; its keys are named as models[2].name."""
+    if not isinstance(value, list | tuple):
+        raise ConfigError(path, dotted, f"expected an array of tables, got {type(value).__name__} {show(value)}", f"write each entry as [[{dotted}]]")
+    entries = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise ConfigError(path, f"{dotted}[{i}]", f"expected a table, got {type(item).__name__} {show(item)}", f"write each entry as [[{dotted}]]")
+        entries.append(_build(cls, item, path, f"{dotted}[{i}]."))
+    return tuple(entries)
+
+
+def _check_enum(value, enum_type: type[Enum], path, dotted: str):
+    """A string naming one of the enum's values, as that value."""
+    values = [member.value for member in enum_type]
+    if not isinstance(value, str) or value not in values:
+        raise ConfigError(path, dotted, f"{show(value)} is not one of {', '.join(map(repr, values))}", f"use one of {', '.join(values)}")
+    return enum_type(value)
+
+
 def _check_value(value, ftype, spec: Spec, path, dotted: str):
+    if isinstance(ftype, type) and issubclass(ftype, Enum):
+        return _check_enum(value, ftype, path, dotted)
     options = [ftype]
     if isinstance(ftype, types.UnionType):
         options = [t for t in typing.get_args(ftype) if t is not type(None)]
@@ -347,6 +463,26 @@ _OWNED_FLAGS = {
     "--api-key": "engine.api_key_file (the key must never be in argv)",
     "--shutdown-timeout": "engine.shutdown_timeout",
 }
+
+
+_OWNED_FLAG_FIXES = {flag: f"use {key} instead" for flag, key in _OWNED_FLAGS.items()}
+
+
+def _owned_flag_fixes_of_model(where: str) -> dict[str, str]:
+    """The same flags for a [[models]] entry's engine, and what to do instead."""
+    return {
+        "--host": "remove it: each engine listens on 127.0.0.1, and the router on engine.host",
+        "--port": "remove it: each engine gets its own port from swap.engine_port_base",
+        "--model": f"use {where}.model instead",
+        "--served-model-name": f"use {where}.name instead",
+        "--api-key": f"use {where}.api_key_file instead (the key must never be in argv)",
+        "--shutdown-timeout": "use engine.shutdown_timeout instead",
+    }
+
+
+# vLLM's --runner against the kind: a generative engine answers the completion probe, a pooling one the embedding probe.
+_RUNNERS_OF_KIND = {EngineKind.GENERATE: ("auto", "generate"), EngineKind.EMBED: ("auto", "pooling")}
+_MODEL_NAME = re.compile(r"[A-Za-z0-9._:/-]+")
 _PROFILE_FLAGS = {
     "--gpu-memory-utilization",
     "--max-model-len",
@@ -361,37 +497,27 @@ MIN_ALERT_HEADROOM_MIB = 500
 
 def _validate(cfg: Config, path, *, check_files: bool) -> None:
     e = cfg.engine
-    if not e.model:
-        raise ConfigError(path, "engine.model", "is required", "set it to the model directory (or a hub name already in the cache)")
-    if check_files and e.model.startswith(("/", ".", "~")) and not _exists(e.model):
-        raise ConfigError(path, "engine.model", f"{e.model} does not exist", "point it at the model directory")
+    if not cfg.models:
+        _check_model(e.model, "engine.model", path, check_files=check_files)
     try:
         loopback = ipaddress.ip_address(e.host).is_loopback
     except ValueError:
         loopback = e.host == "localhost"
-    if not loopback and not e.api_key_file:
-        raise ConfigError(path, "engine.host", f"{e.host} is not loopback and engine.api_key_file is empty", "set engine.api_key_file, or bind to 127.0.0.1 behind a proxy")
-    for i, arg in enumerate(e.extra_args):  # strings: checked with the schema
-        key = f"engine.extra_args[{i}]"
-        flag = canonical_flag(arg)  # as vLLM reads it: --max_model_len is --max-model-len
-        if flag == "--disable-log-stats":
-            raise ConfigError(path, key, "--disable-log-stats removes every vllm: metric and blinds the watchdog", "remove it")
-        if flag in _OWNED_FLAGS:
-            raise ConfigError(path, key, f"{flag} is set by r3090d", f"use {_OWNED_FLAGS[flag]} instead")
-        if flag in _PROFILE_FLAGS and cfg.profile != NO_PROFILE:
-            raise ConfigError(path, key, f"{flag} is set by profile {cfg.profile!r}", 'change the profile in [profiles.NAME], or set profile = "none"')
-    for k in e.env:  # values: strings, checked with the schema
-        key = f"engine.env.{toml_key(k)}"
-        # execve refuses a name with "=" or NUL; an empty name is no variable at all.
-        if not isinstance(k, str) or not k or "=" in k:
-            raise ConfigError(path, key, "is not an environment variable name", "use a name such as MY_VAR, without '='")
-        _check_text(k, MAX_TEXT, False, path, key)
-        if k in ("VLLM_API_KEY", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
-            raise ConfigError(path, key, "is managed by r3090d", "remove it (the API key comes from engine.api_key_file)")
-    _check_argv_budget(e, path)
+    # What listens at engine.host:engine.port: the engine, or in swap mode the router.
+    public_key = "swap.api_key_file" if cfg.models else "engine.api_key_file"
+    if not loopback and not (cfg.swap.api_key_file if cfg.models else e.api_key_file):
+        raise ConfigError(path, "engine.host", f"{e.host} is not loopback and {public_key} is empty", f"set {public_key}, or bind to 127.0.0.1 behind a proxy")
+    if cfg.models:
+        _check_env(e.env, "engine.env", path)
+        _validate_models(cfg, path, check_files=check_files)
+    else:
+        _check_extra_args(e.extra_args, "engine.extra_args", cfg.profile, "profile", _OWNED_FLAG_FIXES, e.kind, "engine.kind", path)
+        _check_env(e.env, "engine.env", path)
+        _check_argv_budget(e.extra_args, e.env, "engine.extra_args", "engine.env", path)
     if check_files and e.python and not os.access(e.python, os.X_OK):
         raise ConfigError(path, "engine.python", f"{e.python} is not an executable file", "point it at the python of the venv vLLM is installed in (make engine)")
-    _validate_profiles(cfg, path)
+    if not cfg.models:
+        _validate_profile(cfg, cfg.profile, "profile", path)
     w = cfg.watchdog
     if w.health_timeout + w.metrics_timeout > 30.0 / 4:
         raise ConfigError(path, "watchdog.metrics_timeout", "health_timeout + metrics_timeout exceed a quarter of WatchdogSec=30", "keep their sum at or below 7.5 s")
@@ -459,24 +585,99 @@ def _exists(p: str) -> bool:
         return False
 
 
-def _check_argv_budget(e: EngineConfig, path) -> None:
+def _check_model(model: str, key: str, path, *, check_files: bool) -> None:
+    if not model:
+        raise ConfigError(path, key, "is required", "set it to the model directory (or a hub name already in the cache)")
+    if check_files and model.startswith(("/", ".", "~")) and not _exists(model):
+        raise ConfigError(path, key, f"{model} does not exist", "point it at the model directory")
+
+
+def _check_extra_args(args: list, key: str, profile: str, profile_key: str, owned: dict[str, str], kind: EngineKind, kind_key: str, path) -> None:
+    """vLLM flags r3090d sets itself (`owned`: each one's fix), or the profile does, or that blind the watchdog,
+    or that contradict the kind."""
+    for i, arg in enumerate(args):  # strings: checked with the schema
+        where = f"{key}[{i}]"
+        flag = canonical_flag(arg)  # as vLLM reads it: --max_model_len is --max-model-len
+        if flag == "--disable-log-stats":
+            raise ConfigError(path, where, "--disable-log-stats removes every vllm: metric and blinds the watchdog", "remove it")
+        if flag in owned:
+            raise ConfigError(path, where, f"{flag} is set by r3090d", owned[flag])
+        if flag in _PROFILE_FLAGS and profile != NO_PROFILE:
+            fix = 'change the profile in [profiles.NAME], or set profile = "none"'
+            if profile_key != "profile":
+                fix = f'change the profile in [profiles.NAME], or set {profile_key} = "none"'
+            raise ConfigError(path, where, f"{flag} is set by profile {profile!r}", fix)
+    runner = flag_occurrence(args, "--runner")
+    if runner is not None and runner[1] not in _RUNNERS_OF_KIND[kind]:
+        raise ConfigError(path, f"{key}[{runner[0]}]", f"--runner {runner[1]} contradicts {kind_key} = {kind.value!r}",
+                          f"use --runner {_RUNNERS_OF_KIND[kind][1]}, or set {kind_key} to the model's kind")  # fmt: skip
+
+
+def _check_env(env: dict, key: str, path) -> None:
+    for k in env:  # values: strings, checked with the schema
+        where = f"{key}.{toml_key(k)}"
+        # execve refuses a name with "=" or NUL; an empty name is no variable at all.
+        if not isinstance(k, str) or not k or "=" in k:
+            raise ConfigError(path, where, "is not an environment variable name", "use a name such as MY_VAR, without '='")
+        _check_text(k, MAX_TEXT, False, path, where)
+        if k in ("VLLM_API_KEY", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+            raise ConfigError(path, where, "is managed by r3090d", "remove it (the API key comes from engine.api_key_file)")
+
+
+def _validate_models(cfg: Config, path, *, check_files: bool) -> None:
+    """Swap mode: each [[models]] entry as one engine's settings, and the limits across them."""
+    seen: dict[str, int] = {}
+    profile_used = False
+    for i, m in enumerate(cfg.models):
+        where = f"models[{i}]"
+        _check_model_name(m, i, seen, path)
+        _check_model(m.model, f"{where}.model", path, check_files=check_files)
+        profile, profile_key = (m.profile, f"{where}.profile") if m.profile else (cfg.profile, "profile")
+        profile_used |= not m.profile
+        _validate_profile(cfg, profile, profile_key, path)
+        _check_extra_args(m.extra_args, f"{where}.extra_args", profile, profile_key, _owned_flag_fixes_of_model(where), m.kind, f"{where}.kind", path)
+        _check_env(m.env, f"{where}.env", path)
+        _check_argv_budget(m.extra_args, {**cfg.engine.env, **m.env}, f"{where}.extra_args", f"{where}.env" if m.env else "engine.env", path)
+    if not profile_used and cfg.profile != NO_PROFILE and cfg.profile not in resolve_profiles(cfg):
+        _validate_profile(cfg, cfg.profile, "profile", path)  # unused by any model, but a typo all the same
+    if cfg.swap.max_resident > len(cfg.models):
+        raise ConfigError(path, "swap.max_resident", f"is {cfg.swap.max_resident} but only {len(cfg.models)} models are listed",
+                          f"set it to at most {len(cfg.models)}")  # fmt: skip
+
+
+def _check_model_name(m: ModelConfig, index: int, seen: dict[str, int], path) -> None:
+    key = f"models[{index}].name"
+    if not m.name:
+        raise ConfigError(path, key, "is required", 'set it to the name clients send as "model", e.g. name = "chat"')
+    if not _MODEL_NAME.fullmatch(m.name) or not m.name.strip("."):
+        raise ConfigError(path, key, f"{show(m.name)} is not a model name", f"use 1 to {MAX_MODEL_NAME} letters, digits and . _ : / - (not only dots)")
+    if len(model_dir_name(m.name)) > NAME_MAX:
+        raise ConfigError(path, key, f"is too long as a directory name under daemon.state_dir/models ({len(model_dir_name(m.name))} bytes, with : and / as %3A and %2F)",
+                          f"shorten it to {NAME_MAX} bytes so counted")  # fmt: skip
+    if m.name in seen:
+        raise ConfigError(path, key, f"{show(m.name)} is also models[{seen[m.name]}].name", "give each model its own name")
+    seen[m.name] = index
+
+
+def _check_argv_budget(extra_args: list, env: dict, args_key: str, env_key: str, path) -> None:
     """extra_args and env reach vLLM through execve, whose argv and environment are bounded (E2BIG)."""
-    args = sum(len(a.encode()) + 1 for a in e.extra_args)
-    env = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in e.env.items())
-    if args + env > ARGV_BUDGET:
+    args = sum(len(a.encode()) + 1 for a in extra_args)
+    env_bytes = sum(len(k.encode()) + len(v.encode()) + 2 for k, v in env.items())
+    if args + env_bytes > ARGV_BUDGET:
         raise ConfigError(
             path,
-            "engine.extra_args" if args >= env else "engine.env",
-            f"engine.extra_args ({args} bytes) and engine.env ({env} bytes) exceed the {ARGV_BUDGET}-byte budget for vLLM's command line and environment",
+            args_key if args >= env_bytes else env_key,
+            f"{args_key} ({args} bytes) and {env_key} ({env_bytes} bytes) exceed the {ARGV_BUDGET}-byte budget for vLLM's command line and environment",
             "pass long values through files (most vLLM options take a path)",
         )
 
 
-def _validate_profiles(cfg: Config, path) -> None:
+def _validate_profile(cfg: Config, name: str, key: str, path) -> None:
+    """The profile `name` (set at `key`) exists, and its memory budget stays under the memory alert."""
     known = resolve_profiles(cfg)  # the tables were checked against Profile on the way in
-    if cfg.profile != NO_PROFILE and cfg.profile not in known:
-        raise ConfigError(path, "profile", f"unknown profile {show(cfg.profile)}", f"use one of {', '.join(sorted(known))}, none, or define [profiles.{toml_key(cfg.profile)}]")
-    prof = cfg.active_profile
+    if name != NO_PROFILE and name not in known:
+        raise ConfigError(path, key, f"unknown profile {show(name)}", f"use one of {', '.join(sorted(known))}, none, or define [profiles.{toml_key(name)}]")
+    prof = known[name] if name != NO_PROFILE else None
     card = CARDS.get(cfg.gpu.card)
     if prof is None or not cfg.gpu.required or card is None:
         return
@@ -487,7 +688,7 @@ def _validate_profiles(cfg: Config, path) -> None:
         safe = (cfg.watchdog.gpu_memory_alert_mib - MIN_ALERT_HEADROOM_MIB) / card_mib
         raise ConfigError(
             path,
-            f"profiles.{cfg.profile}.gpu_memory_utilization",
+            f"profiles.{name}.gpu_memory_utilization",
             f"budgets {budget:.0f} MiB of {card_mib} MiB, only {headroom:.0f} MiB under watchdog.gpu_memory_alert_mib={cfg.watchdog.gpu_memory_alert_mib}, so the memory alert would fire forever",
             f"lower gpu_memory_utilization to {safe:.3f} or less, or raise watchdog.gpu_memory_alert_mib",
         )

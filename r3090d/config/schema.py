@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from r3090d.core.snapshot import CLOCK_EVENT_REASONS as NVML_CLOCK_EVENT_REASONS
 from r3090d.units import MIB as MIB  # re-exported by r3090d.config
@@ -24,6 +25,11 @@ MAX_HOST = 253  # a DNS name
 ARGV_BUDGET = 64 * 1024
 MAX_PORT = 65535
 MAX_GPU_INDEX = 63
+# Swap mode: each r3090d@N instance owns a block of this many engine ports from
+# swap.engine_port_base + PORTS_PER_INSTANCE * N, one per [[models]] entry.
+PORTS_PER_INSTANCE = 100
+MAX_MODELS = PORTS_PER_INSTANCE
+MAX_MODEL_NAME = 128  # a served model name: what clients send as "model"
 
 # The clock-event reason names, from the one list beside GpuSample: loading a
 # config needs no NVML.
@@ -80,6 +86,13 @@ BUILTIN_PROFILES: dict[str, Profile] = {
 NO_PROFILE = "none"  # pass no profile flags at all (vLLM's own defaults)
 
 
+class EngineKind(StrEnum):
+    """What an engine serves, and so how it is probed: a 1-token completion, or a 1-input embedding."""
+
+    GENERATE = "generate"
+    EMBED = "embed"  # embedding or pooling: /v1/completions refuses it; no canary
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     python: str = opt("/opt/r3090d-engine/bin/python", path=True)
@@ -92,6 +105,38 @@ class EngineConfig:
     startup_timeout: int = opt(900, 10, 86400)
     extra_args: list = opt([], items=str)
     env: dict = opt({}, items=str)
+    kind: EngineKind = opt(EngineKind.GENERATE)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One [[models]] entry: an engine of its own in swap mode, on its own 127.0.0.1 port."""
+
+    name: str = opt("", max_len=MAX_MODEL_NAME)  # the served model name, required and unique
+    model: str = opt("", path=True)  # as engine.model: a directory, or a hub name already in the cache
+    kind: EngineKind = opt(EngineKind.GENERATE)
+    profile: str = opt("", max_len=255)  # empty: the top-level profile
+    extra_args: list = opt([], items=str)
+    env: dict = opt({}, items=str)  # over engine.env, which every engine shares
+    api_key_file: str = opt("", path=True)  # this engine's key (vLLM's VLLM_API_KEY); the router holds it too
+    # Derived, never read from the file:
+    api_key: str = field(default="", repr=False)  # read from api_key_file
+
+
+@dataclass(frozen=True)
+class SwapConfig:
+    """Swap mode ([[models]] set): one engine per model, the router on [engine].host:port, the arbiter's limits."""
+
+    max_resident: int = opt(1, 1, 16)  # engines on the GPU at once
+    queue_timeout: float = opt(120.0, 1, 3600)  # a request for a model being swapped in waits this long, then 503
+    min_residency: float = opt(30.0, 0, 86400)  # an engine with work stays resident at least this long
+    # A swap waits this long for the outgoing engine's running requests, then freezes them with it.
+    drain_timeout: float = opt(10.0, 0, 3600)
+    engine_port_base: int = opt(18100, 1, MAX_PORT)  # engine i of r3090d@N: engine_port_base + 100 * N + i
+    host_memory_budget_mib: int = opt(0, 0, 1 << 30)  # host RAM for parked engines; 0: automatic
+    host_memory_margin_mib: int = opt(4096, 0, 1 << 30)  # left free by the automatic budget
+    max_body_mib: int = opt(32, 1, 4096)  # the router refuses a larger request body
+    api_key_file: str = opt("", path=True)  # the router's public key; empty: none (engine.host must be loopback)
 
 
 @dataclass(frozen=True)
@@ -278,11 +323,20 @@ class Config:
     suspend: SuspendConfig = field(default_factory=SuspendConfig)
     canary: CanaryConfig = field(default_factory=CanaryConfig)
     profiles: dict = opt({}, items=dict)  # name -> table of Profile keys, overriding or adding
+    models: tuple[ModelConfig, ...] = opt(())  # [[models]]: non-empty is swap mode
+    swap: SwapConfig = field(default_factory=SwapConfig)
     # Derived, never read from the file:
     source: str = ""
     instance: int | None = None
-    api_key: str = field(default="", repr=False)  # read from engine.api_key_file
+    # The key of what listens at engine_url: read from engine.api_key_file, or in swap mode
+    # (where the router listens there) from swap.api_key_file.
+    api_key: str = field(default="", repr=False)
     warnings: tuple[str, ...] = ()  # one line per deprecated key still in the file
+
+    @property
+    def swap_mode(self) -> bool:
+        """Several models, one engine each, behind the router (r3090d.config.models derives each engine's Config)."""
+        return bool(self.models)
 
     @property
     def active_profile(self) -> Profile | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
+from enum import Enum
 from pathlib import Path
 
 from r3090d.config.errors import ConfigError
@@ -67,8 +68,8 @@ def read_secret(source, key: str, secret_path: str | Path) -> str:
         raise ConfigError(source, key, f"{secret_path} is not UTF-8 text", "write the secret as UTF-8 text") from None
 
 
-def read_api_key(path, secret_path: str) -> str:
-    key = "engine.api_key_file"
+def read_api_key(path, secret_path: str, key: str = "engine.api_key_file") -> str:
+    """An API key from its file (`key` names the setting), one line, for VLLM_API_KEY or a Bearer header."""
     text = read_secret(path, key, secret_path).strip()
     if not text:
         raise ConfigError(path, key, f"{secret_path} is empty", "write the key into it")
@@ -80,7 +81,14 @@ def read_api_key(path, secret_path: str) -> str:
 
 def redacted(cfg: Config) -> dict:
     """The effective configuration as plain data, safe to print."""
-    data = dataclasses.asdict(cfg)
+    data = dataclasses.asdict(cfg, dict_factory=_plain)
     data["api_key"] = "<redacted>" if cfg.api_key else ""
+    for entry, model in zip(data["models"], cfg.models, strict=True):
+        entry["api_key"] = "<redacted>" if model.api_key else ""
     data["profiles"] = {k: dataclasses.asdict(v) for k, v in resolve_profiles(cfg).items()}
     return data
+
+
+def _plain(items: list[tuple[str, object]]) -> dict:
+    """A section as a dict, an enum member as its value (engine.kind prints as "embed")."""
+    return {k: v.value if isinstance(v, Enum) else v for k, v in items}
