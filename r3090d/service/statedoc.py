@@ -12,6 +12,13 @@ refuses only a format it cannot read.
 FORMAT_VERSION grows when a field changes meaning or goes away. A reader accepts
 every version in READABLE_FORMATS; after an upgrade, a daemon started before it
 keeps writing its own (older) format until it is restarted.
+
+Swap mode (several models, one engine each, behind the router) adds `models`, one
+ModelDoc per model with its engine's own sections, and `swap`; the top-level
+`engine` then describes no engine (its state is "swap"), while the sections of the
+card and the daemon (gpu, xid_seen, thresholds, alerts, telemetry, the reset hold
+and XIDs in `healing`) stay at the top level. Outside swap mode `models` is empty,
+`swap` is None, and the document is what format 2 was.
 """
 
 from __future__ import annotations
@@ -24,15 +31,18 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from r3090d.config.schema import EngineKind
 from r3090d.core.alerting import AlertEntry
+from r3090d.core.arbiter import RESIDENT, Residency
 from r3090d.core.room import Holder
 from r3090d.core.snapshot import GpuSample, HealthSample, MetricsSample
 from r3090d.core.suspension import Result, Stage
 from r3090d.core.vocabulary import Phase, Severity
 from r3090d.preflight.checks import CheckResult
 
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)  # 1: before give-up kept the daemon up (no restarts.start_failures, no thresholds)
+FORMAT_VERSION = 3
+# 1: before give-up kept the daemon up (no restarts.start_failures, no thresholds); 2: before swap mode (no models, no swap)
+READABLE_FORMATS = (1, 2, 3)
 
 
 class UnreadableFormat(ValueError):
@@ -102,7 +112,7 @@ class EngineInfo:
     @property
     def phase_name(self) -> str:
         """The phase's text for people; "unknown" when the document has none."""
-        return self.phase.value if self.phase is not None else (self.phase_text or "unknown")
+        return self.phase.value if self.phase is not None else (self.phase_text or self.state or "unknown")
 
 
 @dataclass(frozen=True)
@@ -224,6 +234,20 @@ class Histogram:
     count: int = 0
     sum: float = 0.0
 
+    @classmethod
+    def empty(cls, bounds: tuple[float, ...]) -> Histogram:
+        """No observation yet, in buckets with these upper bounds (ascending)."""
+        return cls(tuple((float(upper), 0) for upper in bounds))
+
+    def observed(self, value: float) -> Histogram:
+        """This histogram with one more observation (the buckets are cumulative: every one at or above it counts it)."""
+        buckets = tuple((upper, n + 1 if value <= upper else n) for upper, n in self.buckets)
+        return Histogram(buckets, self.count + 1, self.sum + value)
+
+
+# The swap-latency histogram's upper bounds, in seconds: a resume of a small model to a cold start of a large one.
+SWAP_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
 
 @dataclass(frozen=True)
 class Telemetry:
@@ -291,10 +315,132 @@ class SuspendInfo:
     last: LastRequest | None = None
     worker: WorkerInfo | None = None
     remind_after_s: float = 0.0  # the suspended_long alert's delay (suspend.remind_after)
+    parked: bool = False  # swap mode: the arbiter parked the engine to bring another model in, not the operator
 
     @property
     def standing(self) -> bool:
         return self.stage in STANDING_STAGES
+
+    @property
+    def by_operator(self) -> bool:
+        """A suspension the operator asked for (r3090ctl suspend) is under way or stands: not a parked engine."""
+        return self.stage is not None and not self.parked
+
+
+# ------------------------------------------------------------------ swap mode
+
+
+@dataclass(frozen=True)
+class ModelDoc:
+    """One model of swap mode: where its engine is, how it is used, and its engine's own sections.
+
+    The sections from `engine` to `healing` are what the top level holds for the one
+    engine of single mode, for this model's engine; `StateDocument.for_model` puts
+    them back at the top level, so a reader of one engine reads them unchanged.
+    """
+
+    name: str = ""  # the served model name: what clients send as "model"
+    kind: EngineKind | None = None  # None: absent, or a kind this r3090d does not know
+    residency: Residency | None = None  # None: absent, or a word this r3090d does not know (residency_text has it)
+    port: int | None = None  # the engine's own port on 127.0.0.1
+    last_used: float | None = None  # wall clock of its last request through the router; None: never used
+    host_bytes: int = 0  # host memory it holds parked (its GPU memory plus its base RSS); 0 when not parked
+    gpu_bytes: int = 0  # GPU memory it holds resident, or held before it was parked
+    swaps_in: int = 0  # times it was brought onto the GPU (resumed or cold-started) for its model
+    swaps_out: int = 0  # times it was parked or stopped to make room
+    inflight: int = 0  # requests open at the router toward it; for a parked engine, those frozen with it
+    waiting: int = 0  # requests queued at the router until it is resident
+    frozen: int = 0  # requests frozen with it when it was parked, to finish when it comes back
+    engine: EngineInfo = field(default_factory=EngineInfo)
+    restarts: RestartsInfo = field(default_factory=RestartsInfo)
+    health: HealthSample | None = None
+    inference: ProbeInfo = field(default_factory=ProbeInfo)
+    canary: CanaryInfo = field(default_factory=CanaryInfo)
+    suspend: SuspendInfo | None = None
+    metrics: MetricsSample = field(default_factory=MetricsSample)
+    watch: WatchInfo = field(default_factory=WatchInfo)
+    give_up_reason: str | None = None
+    next_action: str | None = None
+    healing: HealingInfo = field(default_factory=HealingInfo)
+    # The residency as written: a newer daemon's word is named to the operator, not dropped.
+    residency_text: str | None = field(default=None, metadata={KEY: "residency", DERIVED: True})
+
+    @property
+    def residency_name(self) -> str:
+        return self.residency.value if self.residency is not None else (self.residency_text or "unknown")
+
+    @property
+    def resident(self) -> bool:
+        """On the GPU, or taking its place there (ready, starting, resuming)."""
+        return self.residency in RESIDENT
+
+    @property
+    def failed(self) -> bool:
+        """It cannot be served, now or after a swap: failed, given up, or no engine may start until the GPU is reset."""
+        return self.residency is Residency.FAILED or self.engine.phase in (Phase.GIVEN_UP, Phase.RESET_NEEDED)
+
+    @property
+    def suspended_by_operator(self) -> bool:
+        return self.suspend is not None and self.suspend.by_operator
+
+
+@dataclass(frozen=True)
+class SwapProgress:
+    """The swap under way."""
+
+    from_model: str | None = None  # None: nothing had to leave the GPU
+    to_model: str = ""
+    stage: str = ""  # what it does now, for people: "draining chat", "restoring coder", ...
+    since: float | None = None  # wall clock of the swap's start
+
+
+@dataclass(frozen=True)
+class SwapRecord:
+    """The last swap that ended, with its time and where the time went (None: a step it did not take)."""
+
+    from_model: str | None = None  # None: nothing had to leave the GPU
+    to_model: str = ""
+    cold: bool = False  # the target started cold (it was cold, or the card cannot checkpoint), not resumed
+    ok: bool = False  # the target serves
+    seconds: float | None = None  # the whole swap: from its decision until the router routes to the target
+    drain_s: float | None = None  # the outgoing engine's drain
+    checkpoint_s: float | None = None  # the outgoing engine's GPU memory to host RAM
+    stop_s: float | None = None  # the outgoing engine's drained stop, where it could not be parked
+    restore_s: float | None = None  # the target's GPU memory back from host RAM
+    start_s: float | None = None  # the target's cold start, where it was not resumed
+    canary_s: float | None = None  # the target's known-answer check (generative models)
+    routing_s: float | None = None  # until the router had the new table
+    frozen_requests: int = 0  # requests frozen with the outgoing engine
+    error: str = ""  # why it failed, one line
+    at: float | None = None  # wall clock of its end
+
+
+@dataclass(frozen=True)
+class RouterInfo:
+    """The router process: the public port's listener, supervised by the daemon like an engine."""
+
+    pid: int | None = None
+    up: bool = False  # its process runs and listens
+    linked: bool = False  # it is connected to the daemon's link socket and has the current table
+    restarts: int = 0  # since the daemon started
+    last_restart_at: float | None = None  # wall clock
+    address: str = ""  # where it listens: the public host:port
+
+
+@dataclass(frozen=True)
+class SwapInfo:
+    """Swap mode's card-level view: the swap under way and the last one, host memory for parked engines, the router."""
+
+    in_progress: SwapProgress | None = None
+    total: int = 0  # swaps that ended since the daemon started, failed ones included
+    failed: int = 0
+    last: SwapRecord | None = None
+    latency: Histogram = field(default_factory=lambda: Histogram.empty(SWAP_BUCKETS))  # SwapRecord.seconds of each swap
+    host_budget_bytes: int | None = None  # host memory parked engines may hold; None: not known yet
+    host_parked_bytes: int = 0  # what they hold now
+    router: RouterInfo = field(default_factory=RouterInfo)
+    max_resident: int = 1  # swap.max_resident
+    queue_timeout: float = 0.0  # swap.queue_timeout: a request waits this long for its model, then 503
 
 
 @dataclass(frozen=True)
@@ -321,9 +467,46 @@ class StateDocument:
     suspend: SuspendInfo | None = None  # None: written by preflight, or by a daemon without suspend
     healing: HealingInfo = field(default_factory=HealingInfo)
     canary: CanaryInfo = field(default_factory=CanaryInfo)
+    models: list[ModelDoc] = field(default_factory=list)  # swap mode: one per model; empty otherwise
+    swap: SwapInfo | None = None  # swap mode's card-level view; None otherwise
 
     def to_json(self) -> dict:
         return _to_json(self)
+
+    @property
+    def swap_mode(self) -> bool:
+        return bool(self.models) or self.swap is not None
+
+    def model(self, name: str) -> ModelDoc | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def for_model(self, model: ModelDoc) -> StateDocument:
+        """The document of single mode, for one model's engine: its sections at the top level, no swap sections.
+
+        What every reader of one engine (the status panel, restart --wait, suspend --wait)
+        reads, for the model a command names."""
+        return dataclasses.replace(
+            self,
+            engine=model.engine,
+            restarts=model.restarts,
+            health=model.health,
+            inference=model.inference,
+            canary=model.canary,
+            suspend=model.suspend,
+            metrics=model.metrics,
+            watch=model.watch,
+            give_up_reason=model.give_up_reason,
+            next_action=model.next_action,
+            # The card's reset hold and XIDs are the card's, at the top level; the rest is the engine's.
+            healing=dataclasses.replace(
+                model.healing,
+                reset_hold=model.healing.reset_hold or self.healing.reset_hold,
+                reset_hold_since=model.healing.reset_hold_since if model.healing.reset_hold else self.healing.reset_hold_since,
+                xid_by_class=model.healing.xid_by_class or self.healing.xid_by_class,
+            ),
+            models=[],
+            swap=None,
+        )
 
 
 # ------------------------------------------------------------------ reading

@@ -114,8 +114,9 @@ def test_the_document_keeps_its_shape():
     assert set(FULL) == {
         "written_at", "daemon", "engine", "restarts", "next_action", "watch", "give_up_reason", "xid_seen", "health", "inference",
         "thresholds", "metrics", "gpu", "alerts", "alert_book", "preflight", "telemetry", "format", "waiting", "suspend", "healing",
-        "canary",
+        "canary", "models", "swap",
     }  # fmt: skip
+    assert FULL["models"] == [] and FULL["swap"] is None  # single mode: what format 2 was
     assert FULL["format"] == FORMAT_VERSION and FULL["engine"]["phase"] == "ready" and "phase_text" not in FULL["engine"]
     assert FULL["alerts"]["firing"]["gpu_memory"] == {"severity": "critical", "summary": "GPU memory 23.9 GiB", "since": NOW - 10}
     assert FULL["alert_book"]["entries"]["kv_pressure"]["clear_since"] == NOW - 5  # wall clock: a restarted daemon rebuilds its book
