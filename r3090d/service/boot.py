@@ -23,7 +23,7 @@ def run(config_path: str | None, instance: int | None, skip_preflight: bool) -> 
     except argvmod.EngineNotInstalled as exc:
         log.error("preflight vllm FAIL: %s (fix: make engine, or set engine.python in %s); exit %d", exc, cfg.source, exitcodes.PREFLIGHT_PERMANENT)
         return exitcodes.PREFLIGHT_PERMANENT
-    argv = argvmod.build_argv(cfg, version)
+    argv = [] if cfg.models else argvmod.build_argv(cfg, version)  # swap mode: each model's engine has its own
     for warning in cfg.warnings:
         log.warning("%s", warning)
     log.info("r3090d %s: config %s, vLLM %s, engine at %s", __version__, cfg.source, version, cfg.engine_url)
@@ -35,6 +35,13 @@ def run(config_path: str | None, instance: int | None, skip_preflight: bool) -> 
 
         gpu_monitor = NvmlMonitor(cfg.gpu.index, cfg.watchdog.nvml_hung_after, period_s=cfg.watchdog.poll_interval)
         gpu_monitor.start()
-    daemon = Daemon(cfg, argv, gpu_monitor=gpu_monitor, alerts=AlertDispatcher.from_config(cfg), engine_version=version)
+    if cfg.models:
+        from r3090d.service.swapdaemon import SwapDaemon
+
+        log.info("swap mode: %d models behind the router on %s:%d (%s)", len(cfg.models), cfg.engine.host, cfg.engine.port,
+                 ", ".join(m.name for m in cfg.models))  # fmt: skip
+        daemon = SwapDaemon(cfg, argv, gpu_monitor=gpu_monitor, alerts=AlertDispatcher.from_config(cfg), engine_version=version)
+    else:
+        daemon = Daemon(cfg, argv, gpu_monitor=gpu_monitor, alerts=AlertDispatcher.from_config(cfg), engine_version=version)
     daemon.install_signals()
     return daemon.run(skip_preflight=skip_preflight)

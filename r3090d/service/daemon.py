@@ -65,10 +65,10 @@ class Daemon:
         self.engine_version = engine_version
         self.wake = threading.Event()
         self.signals: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self.unit = EngineUnit(cfg, argv, self.wake, gpu_monitor=gpu_monitor, engine_version=engine_version)
+        self.unit: EngineUnit | None = self.make_engines(gpu_monitor)
         # As PID 1 (a container's main process), orphans of the engine's tree are ours to
         # reap; the engine's own exit status stays with its waiter thread.
-        self.reaper = ChildReaper(keep=lambda: (self.engine.sample().pid,))
+        self.reaper = ChildReaper(keep=self.kept_pids)
         self.notifier = Notifier()
         self.gpu_monitor = gpu_monitor
         self.alerts = alerts
@@ -85,6 +85,13 @@ class Daemon:
         self.gpu_identity: tuple | None = None  # (name, index, uuid) named in alerts, once NVML has answered
         self.tick_stats = TickStats()  # tick-duration histogram for the exporter
         self.boot_id = resethold.boot_id()
+
+    def make_engines(self, gpu_monitor) -> EngineUnit | None:
+        return EngineUnit(self.cfg, self.argv, self.wake, gpu_monitor=gpu_monitor, engine_version=self.engine_version)
+
+    def kept_pids(self) -> tuple[int, ...]:
+        """Children whose exit status is not the reaper's: the engine's first process."""
+        return (self.engine.sample().pid,)
 
     # The one engine's pieces, by the names the reload and the tests use.
     @property
@@ -199,6 +206,7 @@ class Daemon:
     # --------------------------------------------------------------- loop
 
     def run(self, skip_preflight: bool = False) -> int:
+        self.skip_preflight = skip_preflight
         try:
             # Another user able to swap control.sock or state.json could feed root's r3090ctl a fake state.
             safedir.ensure(self.cfg.daemon.state_dir, "daemon.state_dir")
@@ -208,50 +216,77 @@ class Daemon:
             self._close_helpers()
             return exitcodes.CONFIG
         self.warn_if_watchdog_too_short()
-        suspended = self.suspend.boot_state(self.offset)  # the GPU is lent: no preflight, no engine until resume
-        if suspended is not None:
-            self.st = suspended
-        elif skip_preflight:
-            log.warning("preflight skipped (--skip-preflight): starting vLLM without checking the host")
-        else:
-            code = self.preflight()
-            if code is not None:
-                self._close_helpers()
-                return code
-        # A daemon restarted by systemd goes on from its predecessor's alerts and restarts: nothing it
-        # sent is sent again, and nothing that still holds (a restart storm) is resolved by mistake.
-        book, history = carried_over(self.state_path, self.offset)
-        self.st = policy.carry_on(dataclasses.replace(self.st, alerts=book), history, self.cfg, time.monotonic())
-        self.st = dataclasses.replace(self.st, reset_hold=resethold.load(self.state_dir, boot=self.boot_id))
-        if self.st.reset_hold is not None:
-            log.error("the GPU needs a reset (%s, recorded by an earlier daemon of this boot): no engine starts until "
-                      "r3090ctl restart", self.st.reset_hold.reason)  # fmt: skip
-        code = None
+        code = self.boot()
+        if code is not None:
+            self._close_helpers()
+            return code
         plane = start_plane(self)
         try:
+            self.start_loop()
             while code is None:
                 self.wake.clear()
                 self.reaper.reap()
                 self._handle_signals()
                 self._handle_control()
                 tick_start = time.monotonic()
-                snap = self.snapshot(self.unit)
-                old_phase, old_hold = self.st.phase, self.st.reset_hold
-                actions, self.st = policy.decide(snap, self.st, self.cfg, snap.now)
-                if self.st.reset_hold != old_hold:
-                    resethold.save(self.state_dir, self.st.reset_hold, boot=self.boot_id)
-                code = self.execute(actions, snap)
-                if self.alerts is not None:
-                    # Alertmanager's channel re-sends what fires on its own clock, local silences and rate limits aside.
-                    self.alerts.sync(self.st.alerts.firing(), wall_offset=self.offset)
-                self._after_tick(old_phase, self.st, snap, time.monotonic() - tick_start)
+                code = self.tick()
                 if code is None:
                     self.wake.wait(max(0.0, tick_start + self.tick_interval() - time.monotonic()))
         finally:
-            self.unit.kill_if_running()
+            self.stop_engines()
             plane.stop()
         self._close_helpers()
         log.info("exit %d", code)
+        return code
+
+    def boot(self) -> int | None:
+        """Before the loop: the suspension on record, else preflight; what an earlier daemon left. An exit code to stop."""
+        suspended = self.suspend.boot_state(self.offset)  # the GPU is lent: no preflight, no engine until resume
+        if suspended is not None:
+            self.st = suspended
+        else:
+            code = self.preflight_or_skip()
+            if code is not None:
+                return code
+        # A daemon restarted by systemd goes on from its predecessor's alerts and restarts: nothing it
+        # sent is sent again, and nothing that still holds (a restart storm) is resolved by mistake.
+        book, history = carried_over(self.state_path, self.offset)
+        self.st = policy.carry_on(dataclasses.replace(self.st, alerts=book), history, self.cfg, time.monotonic())
+        self.st = dataclasses.replace(self.st, reset_hold=self.load_reset_hold())
+        return None
+
+    def preflight_or_skip(self) -> int | None:
+        if self.skip_preflight:
+            log.warning("preflight skipped (--skip-preflight): starting vLLM without checking the host")
+            return None
+        return self.preflight()
+
+    def load_reset_hold(self):
+        hold = resethold.load(self.state_dir, boot=self.boot_id)
+        if hold is not None:
+            log.error("the GPU needs a reset (%s, recorded by an earlier daemon of this boot): no engine starts until "
+                      "r3090ctl restart", hold.reason)  # fmt: skip
+        return hold
+
+    def start_loop(self) -> None:
+        """What runs beside the loop once the control plane is up (swap mode: the router and its link)."""
+
+    def stop_engines(self) -> None:
+        self.unit.kill_if_running()
+
+    def tick(self) -> int | None:
+        """One turn of the loop for the one engine: snapshot, decide, act, publish. An exit code to stop."""
+        tick_start = time.monotonic()
+        snap = self.snapshot(self.unit)
+        old_phase, old_hold = self.st.phase, self.st.reset_hold
+        actions, self.st = policy.decide(snap, self.st, self.cfg, snap.now)
+        if self.st.reset_hold != old_hold:
+            resethold.save(self.state_dir, self.st.reset_hold, boot=self.boot_id)
+        code = self.execute(actions, snap)
+        if self.alerts is not None:
+            # Alertmanager's channel re-sends what fires on its own clock, local silences and rate limits aside.
+            self.alerts.sync(self.st.alerts.firing(), wall_offset=self.offset)
+        self._after_tick(old_phase, self.st, snap, time.monotonic() - tick_start)
         return code
 
     def _close_helpers(self) -> None:
@@ -299,6 +334,9 @@ class Daemon:
                      preflight=self.preflight_summary, telemetry=self.tick_stats.to_json(),
                      suspend=self.suspend.publish(st, snap, self.offset)).to_json()  # fmt: skip
         self.latest_doc = doc
+        self.write_doc(doc)
+
+    def write_doc(self, doc: dict) -> None:
         try:
             write_json_atomic(self.state_path, doc)
         except OSError as exc:

@@ -27,11 +27,13 @@ from r3090d.service.statedoc import (
     EngineInfo,
     FiringAlert,
     HealingInfo,
+    ModelDoc,
     PreflightSummary,
     ProbeInfo,
     RestartsInfo,
     StateDocument,
     SuspendInfo,
+    SwapInfo,
     Telemetry,
     Thresholds,
     WaitingInfo,
@@ -276,3 +278,41 @@ def next_action(st: PolicyState, snap: Snapshot, cfg: Config) -> str | None:
     if st.phase is Phase.WAITING_FOR_GPU:
         return "start the engine as soon as the other processes free the GPU memory"
     return None
+
+
+# ------------------------------------------------------------------ swap mode
+
+
+def model_doc(name: str, engine_doc: StateDocument, *, kind, residency, port: int, last_used: float | None, host_bytes: int,
+              gpu_bytes: int, swaps_in: int, swaps_out: int, inflight: int, waiting: int, frozen: int) -> ModelDoc:  # fmt: skip
+    """One model of swap mode: where its engine is and how it is used, with its engine's own sections
+    (what report() gives for that engine alone)."""
+    d = engine_doc
+    return ModelDoc(
+        name=name, kind=kind, residency=residency, port=port, last_used=last_used, host_bytes=host_bytes, gpu_bytes=gpu_bytes,
+        swaps_in=swaps_in, swaps_out=swaps_out, inflight=inflight, waiting=waiting, frozen=frozen,
+        engine=d.engine, restarts=d.restarts, health=d.health, inference=d.inference, canary=d.canary, suspend=d.suspend,
+        metrics=d.metrics, watch=d.watch, give_up_reason=d.give_up_reason, next_action=d.next_action, healing=d.healing,
+    )  # fmt: skip
+
+
+def swap_document(models: list[ModelDoc], swap: SwapInfo, gpu, cfg: Config, *, identity: DaemonIdentity, firing: dict,
+                  xid_seen: list[int], healing: HealingInfo, written_at: float, tick_s: float,
+                  preflight: PreflightSummary | None, telemetry: dict) -> StateDocument:  # fmt: skip
+    """The node's document in swap mode: the daemon, the card and every model; the top-level engine is "swap"."""
+    return StateDocument(
+        written_at=written_at,
+        daemon=daemon_info(identity, cfg, poll_interval=cfg.watchdog.poll_interval, tick_seconds=round(tick_s, 4)),
+        engine=EngineInfo(state=SWAP_ENGINE_STATE, model=", ".join(m.name for m in models), url=f"http://{cfg.engine.host}:{cfg.engine.port}"),
+        xid_seen=xid_seen,
+        gpu=gpu,
+        alerts=AlertsInfo(firing, {}),
+        preflight=preflight,
+        telemetry=parse_section(Telemetry, telemetry) or Telemetry(),
+        healing=healing,
+        models=models,
+        swap=swap,
+    )
+
+
+SWAP_ENGINE_STATE = "swap"  # the top-level engine's state in swap mode: the models say where each engine is

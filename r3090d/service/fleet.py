@@ -1,0 +1,387 @@
+"""Swap mode: several models on one card, one engine each, one public endpoint.
+
+Each model's engine is an EngineUnit going through today's policy on its own, with
+`card=False`: the card itself (XIDs, the reset hold, the GPU's alerts) is judged once per
+tick by core.card, and its reset hold handed to every engine. The arbiter
+(core.arbiter) decides which engines are resident from what the units say of
+themselves and what the router says of its queues; its moves reach each engine's
+policy the way an operator's requests do (Pending: a park is a suspend that is not the
+operator's, an unpark a resume, a cold start, a drained stop to cold).
+
+The router (r3090d.router, its own process) holds the public port. It learns each
+model's state from the table this module publishes on the link at every change, in
+the tick the change happens; it reports its queues back, which wakes the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import time
+
+from r3090d import argv as argvmod
+from r3090d import exitcodes
+from r3090d.config import Config
+from r3090d.config.models import engine_configs
+from r3090d.core import arbiter, policy, suspension
+from r3090d.core.actions import Exit, SendAlert
+from r3090d.core.arbiter import ArbiterConfig, ColdStart, EngineView, Park, Residency, StopCold, Unpark
+from r3090d.core.card import CardState, cleared, decide_card
+from r3090d.core.hostmemory import ESTIMATED_BASE_RSS_MIB
+from r3090d.core.snapshot import Snapshot
+from r3090d.core.suspension import Result
+from r3090d.core.vocabulary import Phase
+from r3090d.effectors import alertformat
+from r3090d.effectors.routerproc import RouterProcess, router_argv, router_env
+from r3090d.probes.hostmem import read_host_memory
+from r3090d.router.link import EngineState, ModelDemand, ModelEntry, ModelKind, Table
+from r3090d.service.report import model_doc, report, swap_document
+from r3090d.service.routerlink import LinkServer
+from r3090d.service.statedoc import HealingInfo, RouterInfo, StateDocument, SwapInfo
+from r3090d.service.swaps import SwapTracker
+from r3090d.service.unit import EngineUnit
+from r3090d.units import MIB
+
+log = logging.getLogger("r3090d")
+
+SWAP_POLL_S = 0.1  # the loop's interval while a swap is under way: each stage is timed, and routed at once
+HOST_MEMORY_EVERY_S = 5.0  # how often the automatic host-memory budget is read again
+
+# Phases of an engine's policy as the arbiter sees them.
+_RESIDENCY = {
+    Phase.COLD: Residency.COLD,
+    Phase.STOPPED: Residency.COLD,
+    Phase.STARTING: Residency.STARTING,
+    Phase.WAITING_FOR_GPU: Residency.STARTING,
+    Phase.RESTARTING: Residency.STARTING,
+    Phase.BACKOFF: Residency.STARTING,
+    Phase.READY: Residency.READY,
+    Phase.SUSPENDING: Residency.PARKING,
+    Phase.SUSPENDED: Residency.PARKED,
+    Phase.RESUMING: Residency.RESUMING,
+    Phase.GIVEN_UP: Residency.FAILED,
+    Phase.RESET_NEEDED: Residency.FAILED,
+    Phase.SHUTTING_DOWN: Residency.STOPPING,
+}
+
+
+def residency(st: policy.PolicyState) -> Residency:
+    if st.phase is Phase.DRAINING:
+        return Residency.STOPPING if st.cold_after else Residency.STARTING  # a drained restart comes back by itself
+    return _RESIDENCY.get(st.phase, Residency.STARTING)
+
+
+def unit_config(cfg: Config, ucfg: Config) -> Config:
+    """A model's engine config as swap mode runs it: the swap's drain, never the daemon's exit on one give-up,
+    and an API key of its own (generated when the model has none), so that only the router and the daemon
+    can use its /v1 routes."""
+    return dataclasses.replace(
+        ucfg,
+        suspend=dataclasses.replace(ucfg.suspend, drain_timeout=cfg.swap.drain_timeout),
+        daemon=dataclasses.replace(ucfg.daemon, exit_on_give_up=False),
+        api_key=ucfg.api_key or secrets.token_urlsafe(32),
+    )
+
+
+class Fleet:
+    def __init__(self, cfg: Config, wake, *, gpu_monitor=None, engine_version=None):
+        self.cfg = cfg
+        self.wake = wake
+        self.units: dict[str, EngineUnit] = {}
+        for name, ucfg in engine_configs(cfg).items():
+            ucfg = unit_config(cfg, ucfg)
+            argv = argvmod.build_argv(ucfg, engine_version)
+            self.units[name] = EngineUnit(ucfg, argv, wake, gpu_monitor=gpu_monitor, engine_version=engine_version, name=name, cold=True)
+        self.card = CardState()
+        self.link = LinkServer(cfg.daemon.runtime_dir, wake)
+        self.router = RouterProcess(
+            router_argv(cfg.engine.host, cfg.engine.port, str(self.link.path), cfg.swap.queue_timeout, cfg.swap.max_body_mib * MIB,
+                        cfg.swap.api_key_file),
+            router_env(dict(os.environ)), wake,
+        )  # fmt: skip
+        self.swaps = SwapTracker()
+        self.snaps: dict[str, Snapshot] = {}
+        self.gpu_mib: dict[str, int] = {}  # each engine's GPU memory, last seen resident (its parked cost)
+        self.no_checkpoint: set[str] = set()  # engines whose park the driver undid: stopped drained from now on
+        self.parks: dict[str, int] = {}  # the request number of each engine's park or unpark under way
+        self.swaps_in: dict[str, int] = dict.fromkeys(self.units, 0)
+        self.swaps_out: dict[str, int] = dict.fromkeys(self.units, 0)
+        self.plan = arbiter.Plan()
+        self.budget_mib = cfg.swap.host_memory_budget_mib or None
+        self._budget_read_at = -HOST_MEMORY_EVERY_S
+        self.exited: dict[str, int] = {}
+        self.wanted: dict[str, float] = {}  # models brought in by hand (r3090ctl swap): a waiting request each, until ready
+        self.seq = 0
+        self.table: Table | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self.link.start()
+        self.router.keep_running(time.monotonic())
+
+    def close(self) -> None:
+        """The router last: the streams it holds toward draining engines end with them."""
+        for unit in self.units.values():
+            unit.kill_if_running()
+        self.router.stop()
+        self.link.close()
+
+    @property
+    def swapping(self) -> bool:
+        return self.swaps.current is not None
+
+    # ------------------------------------------------------------------ one tick
+
+    def tick(self, *, shutdown: bool, alerts, gpu_name: str | None) -> int | None:
+        now = time.monotonic()
+        if not shutdown:
+            self.router.keep_running(now)
+        self.snaps = {name: unit.snapshot(shutdown=shutdown) for name, unit in self.units.items()}
+        first = next(iter(self.snaps.values()))
+        if self.card.reset_hold is not None and any(s.restart_requested is not None for s in self.snaps.values()):
+            log.warning("the GPU reset hold is cleared by the operator (r3090ctl restart)")
+            self.card = cleared(self.card)
+        serving = any(u.st.phase is Phase.READY for u in self.units.values())
+        card_actions, self.card = decide_card(first, self.card, self.cfg, now, serving=serving)
+        for action in card_actions:
+            self._alert(action, alerts)
+        for name, unit in self.units.items():
+            snap = self.snaps[name]
+            actions, unit.st = policy.decide(snap, dataclasses.replace(unit.st, reset_hold=self.card.reset_hold), unit.cfg, now, card=False)
+            actions = [self._labelled(a, name) if isinstance(a, SendAlert) else a for a in actions]
+            code = unit.execute([a for a in actions if not isinstance(a, Exit)], snap, alerts=alerts, gpu_name=gpu_name)
+            if any(isinstance(a, Exit) for a in actions) or code is not None:
+                self.exited[name] = exitcodes.OK
+            self._remember_gpu(name, unit, snap)
+        if shutdown:
+            self._publish(now)
+            return exitcodes.OK if len(self.exited) == len(self.units) else None
+        self._arbitrate(now)
+        self._publish(now)
+        self.swaps.observe(self.units, time.monotonic(), routing_s=time.monotonic() - now)
+        return None
+
+    def _alert(self, action: SendAlert, alerts) -> None:
+        log.log(alertformat.log_level(action), "alert %s %s: %s", action.key, action.state, action.summary)
+        if alerts is not None:
+            alerts.submit(action)
+
+    @staticmethod
+    def _labelled(action: SendAlert, name: str) -> SendAlert:
+        """An engine's alert names its model: two models' `dead` alerts are two alerts."""
+        return dataclasses.replace(action, key=f"{action.key}:{name}", summary=f"{name}: {action.summary}")
+
+    def _remember_gpu(self, name: str, unit: EngineUnit, snap: Snapshot) -> None:
+        processes = snap.gpu.processes if snap.gpu.usable else None
+        if unit.st.phase is Phase.READY and processes:
+            tree = set(snap.child.tree_pids) | ({snap.child.pid} if snap.child.pid else set())
+            held = sum(p.used_memory or 0 for p in processes if p.pid in tree)
+            if held:
+                self.gpu_mib[name] = held // MIB
+
+    # ------------------------------------------------------------------ the arbiter
+
+    def _host_budget(self, now: float, parked_mib: int) -> int:
+        if self.cfg.swap.host_memory_budget_mib:
+            return self.cfg.swap.host_memory_budget_mib
+        if self.budget_mib is None or now - self._budget_read_at >= HOST_MEMORY_EVERY_S:
+            self._budget_read_at = now
+            self.budget_mib = read_host_memory().budget_mib(self.cfg.swap.host_memory_margin_mib, held_by_parked_mib=parked_mib)
+        return self.budget_mib
+
+    def views(self, now: float) -> tuple[EngineView, ...]:
+        demand = self.link.latest().models
+        out = []
+        for name, unit in self.units.items():
+            st, snap = unit.st, self.snaps.get(name)
+            d = demand.get(name)
+            where = residency(st)
+            if where is Residency.READY or where is Residency.FAILED:
+                self.wanted.pop(name, None)
+            if name in self.wanted:
+                oldest = min(t for t in (self.wanted[name], d.oldest_waiting_at if d else None) if t is not None)
+                d = ModelDemand(max(1, d.waiting if d else 0), oldest, d.inflight if d else 0, d.last_used_at if d else None)
+            s = st.suspension
+            cold_parked = where is Residency.PARKED and s is not None and s.cold
+            gpu_mib = (s.bytes // MIB if s is not None and s.bytes else self.gpu_mib.get(name, 0)) if not cold_parked else 0
+            out.append(EngineView(
+                name=name,
+                residency=where,
+                gpu_mib=gpu_mib,
+                base_rss_mib=0 if cold_parked else ESTIMATED_BASE_RSS_MIB,
+                inflight=d.inflight if d else 0,
+                waiting=d.waiting if d else 0,
+                oldest_waiting_at=d.oldest_waiting_at if d else None,
+                last_used_at=d.last_used_at if d else None,
+                resident_since=st.ready_since if where is Residency.READY else None,
+                parked_at=(s.since if s is not None else None) if where is Residency.PARKED else None,
+                can_checkpoint=self._can_checkpoint(name, unit, snap),
+                failed=where is Residency.FAILED,
+            ))  # fmt: skip
+        return tuple(out)
+
+    def _can_checkpoint(self, name: str, unit: EngineUnit, snap: Snapshot | None) -> bool:
+        if name in self.no_checkpoint or not unit.cfg.gpu.required:
+            return False
+        if snap is None or unit.st.phase is not Phase.READY:
+            return True
+        refusal = suspension.suspend_refusal(unit.cfg, Phase.READY, snap)
+        return refusal is None or not refusal.unavailable
+
+    def _arbitrate(self, now: float) -> None:
+        self._learn_from_parks()
+        views = self.views(now)
+        parked = sum(v.parked_cost_mib for v in views if v.residency in arbiter.IN_HOST_MEMORY)
+        cfg = ArbiterConfig(self.cfg.swap.max_resident, self.cfg.swap.min_residency, self._host_budget(now, parked))
+        plan = arbiter.plan(views, cfg, now)
+        if plan.moves and plan.why != self.plan.why:
+            log.info("swap: %s", plan.why)
+        self.plan = plan
+        by_name = {v.name: v for v in views}
+        for move in plan.moves:
+            self._request(move, by_name[move.name], now)
+
+    def _learn_from_parks(self) -> None:
+        """A park the driver undid (kept_running) or cannot do (unavailable): that engine is stopped drained from now on."""
+        for name, unit in self.units.items():
+            last, request = unit.st.suspend_last, self.parks.get(name)
+            if last is None or request is None or last.request != request:
+                continue
+            del self.parks[name]
+            if last.op == "suspend" and last.result in (Result.KEPT_RUNNING, Result.UNAVAILABLE, Result.REFUSED):
+                if last.result is not Result.REFUSED:
+                    self.no_checkpoint.add(name)
+                log.warning("swap: %s could not be parked (%s: %s); %s", name, last.result.value, last.detail,
+                            "it is stopped drained instead" if name in self.no_checkpoint else "the arbiter tries again")  # fmt: skip
+
+    def _request(self, move, view: EngineView, now: float) -> None:
+        unit = self.units[move.name]
+        pending = unit.pending
+        if isinstance(move, Park):
+            if pending.suspend is None and move.name not in self.parks:
+                pending.suspend = self.parks[move.name] = pending.number()
+                pending.park = True
+                self.swaps_out[move.name] += 1
+                self.swaps.begin(self.plan.target, move.name, now, parked=True, frozen=view.inflight)
+        elif isinstance(move, Unpark):
+            if pending.resume is None and move.name not in self.parks:
+                pending.resume = self.parks[move.name] = pending.number()
+                self.swaps_in[move.name] += 1
+                self.swaps.begin(move.name, None, now, parked=True, frozen=0, bring_in=True)
+        elif isinstance(move, ColdStart):
+            if not pending.start:
+                pending.start = True
+                self.swaps_in[move.name] += 1
+                self.swaps.begin(move.name, None, now, parked=False, frozen=0, bring_in=True)
+        elif isinstance(move, StopCold):
+            if pending.stop_cold is None:
+                pending.stop_cold = move.detail or f"stopped to cold ({move.why.value})"
+                if move.why is not arbiter.StopWhy.EVICT:
+                    self.swaps_out[move.name] += 1
+                    self.swaps.begin(self.plan.target, move.name, now, parked=False, frozen=view.inflight)
+
+    # ------------------------------------------------------------------ the router's table
+
+    def _publish(self, now: float) -> None:
+        models = tuple(self._entry(name, unit) for name, unit in self.units.items())
+        if self.table is None or self.table.models != models:
+            self.seq += 1
+            self.table = Table(self.seq, models)
+        self.link.publish(self.table)
+
+    @staticmethod
+    def _entry(name: str, unit: EngineUnit) -> ModelEntry:
+        st = unit.st
+        routable = st.phase is Phase.READY
+        return ModelEntry(
+            name=name,
+            kind=ModelKind(unit.cfg.engine.kind.value),
+            state=EngineState(residency(st).value),
+            routable=routable,
+            upstream=unit.cfg.engine_url,
+            upstream_key=unit.cfg.api_key,
+        )
+
+    # ------------------------------------------------------------------ for the operator
+
+    def bring_in(self, name: str) -> dict:
+        """r3090ctl swap NAME: the model counts as asked for, in its turn, until it is ready."""
+        unit = self.units[name]
+        where = residency(unit.st)
+        if where is Residency.READY:
+            return {"ok": True, "message": f"{name} is already resident and ready"}
+        if where is Residency.FAILED:
+            return {"ok": False, "error": f"{name} is {unit.st.phase.value}: r3090ctl restart --model {name} first"}
+        self.wanted.setdefault(name, time.monotonic())
+        self.wake.set()
+        return {"ok": True, "message": f"accepted: bringing {name} in ({where.value} now)"}
+
+    def status_line(self) -> str:
+        """systemd's STATUS=: each model's residency, and the swap under way."""
+        models = ", ".join(f"{name} {residency(u.st).value}" for name, u in self.units.items())
+        progress = self.swaps.progress()
+        return f"{models}; swapping to {progress.to_model} ({progress.stage or 'deciding'})" if progress else models
+
+    def document(self, cfg: Config, *, identity, offset: float, written_at: float, tick_s: float, preflight, telemetry: dict,
+                 firing: dict) -> StateDocument:  # fmt: skip
+        demand = self.link.latest().models
+        models = []
+        parked_bytes = 0
+        for name, unit in self.units.items():
+            snap = self.snaps.get(name)
+            if snap is None:
+                continue
+            engine_doc = report(unit.st, snap, unit.cfg, identity=identity, offset=offset, written_at=written_at, tick_s=tick_s,
+                                preflight=None, telemetry={}, suspend=unit.suspend.publish(unit.st, snap, offset))  # fmt: skip
+            where = residency(unit.st)
+            s = unit.st.suspension
+            gpu_bytes = s.bytes if s is not None and s.bytes else self.gpu_mib.get(name, 0) * MIB
+            host_bytes = gpu_bytes + ESTIMATED_BASE_RSS_MIB * MIB if where is Residency.PARKED and not (s and s.cold) else 0
+            parked_bytes += host_bytes
+            d = demand.get(name)
+            last_used = d.last_used_at + offset if d and d.last_used_at is not None else None
+            models.append(model_doc(
+                name, engine_doc, kind=unit.cfg.engine.kind, residency=where, port=unit.cfg.engine.port, last_used=last_used,
+                host_bytes=host_bytes, gpu_bytes=gpu_bytes, swaps_in=self.swaps_in[name], swaps_out=self.swaps_out[name],
+                inflight=d.inflight if d else 0, waiting=d.waiting if d else 0, frozen=s.frozen_requests if s else 0,
+            ))  # fmt: skip
+        router = self.router.sample()
+        swap = SwapInfo(
+            in_progress=self.swaps.progress(), total=self.swaps.total, failed=self.swaps.failed, last=self.swaps.last,
+            latency=self.swaps.latency,
+            host_budget_bytes=self.budget_mib * MIB if self.budget_mib is not None else None, host_parked_bytes=parked_bytes,
+            router=RouterInfo(pid=router.pid, up=router.alive, linked=self.link.linked, restarts=router.restarts,
+                              last_restart_at=router.last_restart_at, address=f"{cfg.engine.host}:{cfg.engine.port}"),
+            max_resident=cfg.swap.max_resident, queue_timeout=cfg.swap.queue_timeout,
+        )  # fmt: skip
+        hold = self.card.reset_hold
+        healing = HealingInfo(reset_hold=hold.reason if hold else None, reset_hold_since=hold.since_wall if hold else None,
+                              xid_by_class={cls.value: n for cls, n in self.card.xid_counts})  # fmt: skip
+        first = next(iter(self.snaps.values()), None)
+        return swap_document(models, swap, first.gpu if first else None, cfg, identity=identity, firing=firing,
+                             xid_seen=list(self.card.xid_seen), healing=healing, written_at=written_at, tick_s=tick_s,
+                             preflight=preflight, telemetry=telemetry)  # fmt: skip
+
+    # ------------------------------------------------------------------ for the loop
+
+    def tick_interval(self, base: float) -> float:
+        if self.swapping or any(u.st.phase is Phase.STARTING for u in self.units.values()):
+            return min(base, SWAP_POLL_S)
+        if self.plan.recheck_at is not None:
+            return max(0.0, min(base, self.plan.recheck_at - time.monotonic()))
+        return base
+
+    def pids(self) -> tuple[int, ...]:
+        """Processes the reaper must leave alone: each engine's and the router's."""
+        out = [u.engine.sample().pid for u in self.units.values()]
+        out.append(self.router.sample().pid)
+        return tuple(p for p in out if p)
+
+    def unit(self, name: str | None) -> EngineUnit | None:
+        if name is None:
+            return None
+        return self.units.get(name)
+
