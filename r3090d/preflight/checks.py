@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from packaging.version import Version
 
 from r3090d import exitcodes
 from r3090d.cards import CARDS, CardProfile
 from r3090d.config import Config
+from r3090d.core.hostmemory import DEFAULT_HOST_MARGIN_MIB, ESTIMATED_BASE_RSS_MIB, HostMemory, parkable_count
 from r3090d.core.room import ENGINE_CONTEXT_MARGIN, engine_room, gpu_memory_utilization
 from r3090d.core.snapshot import GpuSample, GpuStatus, HostFacts
 from r3090d.core.suspension import unavailable_here
@@ -67,6 +68,7 @@ class PreflightFacts:
     # "state" op), e.g. "pid 123: RUNNING", or "unavailable: why"; None when not asked.
     checkpoint_state: str | None = None
     ptrace_scope: int | None = None  # Yama's kernel.yama.ptrace_scope; None where Yama is not in the kernel
+    host_memory: HostMemory | None = None  # MemAvailable and the cgroup's room, read in swap mode only
 
 
 # ------------------------------------------------------------------- helpers
@@ -149,6 +151,8 @@ def run_checks(facts: PreflightFacts, cfg: Config) -> list[CheckResult]:
         check_port(facts.host, facts.own_pids),
         check_vllm(facts, cfg),
     ]
+    if getattr(cfg, "models", ()):  # swap mode
+        results.append(check_swap_budget(facts, cfg))
     return results
 
 
@@ -459,3 +463,94 @@ def check_vllm(facts: PreflightFacts, cfg: Config) -> CheckResult:
                            f"vLLM {facts.engine_version} is newer than {known}, the last version known to work: its flags "
                            f"or metrics may have changed; if the engine misbehaves, install vllm=={known} (make engine)")  # fmt: skip
     return CheckResult("vllm", Status.OK, measured, expected)
+
+
+def _model_config(cfg: Config, model) -> Config:
+    """A [[models]] entry's engine as far as its share of the card and checkpointing go: its profile
+    (else the top-level one) and its extra args."""
+    engine = replace(cfg.engine, extra_args=list(getattr(model, "extra_args", ())))
+    return replace(cfg, profile=getattr(model, "profile", "") or cfg.profile, engine=engine)
+
+
+def check_swap_budget(facts: PreflightFacts, cfg: Config) -> CheckResult:
+    """Swap mode: how many engines the host memory budget can hold parked, each costing its share of the
+    card (its gpu_memory_utilization x the card's memory) plus an estimated base RSS, before any has run."""
+    models = tuple(getattr(cfg, "models", ()))
+    swap = getattr(cfg, "swap", None)
+    if not cfg.gpu.required:
+        return CheckResult("swap_budget", Status.SKIP, "no GPU: nothing is parked, a swap is a drained stop and a cold start",
+                           "", "gpu.required = false")  # fmt: skip
+    max_resident = getattr(swap, "max_resident", 1)
+    card = CARDS.get(cfg.gpu.card)
+    card_mib = card.memory_mib if card is not None else (facts.gpu.memory_total or 0) // MIB or None
+    costs: list[tuple[str, int]] = []
+    cold_only: list[str] = []
+    for model in models:
+        engine = _model_config(cfg, model)
+        if unavailable_here(engine) is not None:
+            cold_only.append(model.name)
+        elif card_mib is not None:
+            share = int(gpu_memory_utilization(engine) * card_mib)
+            costs.append((model.name, share + ESTIMATED_BASE_RSS_MIB))
+    budget, source = _swap_budget(facts.host_memory, swap)
+    out_at_once = len(models) - max_resident
+    return judge_swap_budget(budget, source, tuple(costs), out_at_once, tuple(cold_only), card_mib is None)
+
+
+def _swap_budget(memory: HostMemory | None, swap) -> tuple[int | None, str]:
+    """The budget for parked engines and where it comes from: swap.host_memory_budget_mib, else the
+    host's reading (nothing is parked before the daemon runs, so nothing is added back)."""
+    configured = getattr(swap, "host_memory_budget_mib", 0)
+    if configured:
+        return configured, "swap.host_memory_budget_mib"
+    if memory is None:
+        return None, "not read"
+    if memory.mem_available_mib is None and memory.cgroup_max_mib is None:
+        return None, "; ".join(memory.errors) or "not read"
+    margin = getattr(swap, "host_memory_margin_mib", DEFAULT_HOST_MARGIN_MIB)
+    return memory.budget_mib(margin), _budget_source(memory, margin)
+
+
+def _budget_source(memory: HostMemory, margin_mib: int) -> str:
+    rooms = []
+    if memory.mem_available_mib is not None:
+        rooms.append(f"MemAvailable {memory.mem_available_mib} MiB")
+    if memory.cgroup_max_mib is not None and memory.cgroup_current_mib is not None:
+        rooms.append(f"the cgroup's {memory.cgroup_max_mib} - {memory.cgroup_current_mib} MiB")
+    lower = rooms[0] if len(rooms) == 1 else f"the lower of {' and '.join(rooms)}"
+    return f"{lower}, less the {margin_mib} MiB margin"
+
+
+def judge_swap_budget(
+    budget_mib: int | None,
+    source: str,
+    costs: tuple[tuple[str, int], ...],
+    out_at_once: int,
+    cold_only: tuple[str, ...] = (),
+    card_unknown: bool = False,
+) -> CheckResult:
+    """How many of the engines that can be parked (name, estimated cost in MiB) the budget holds at once,
+    against how many are out of the GPU at once (the models beyond swap.max_resident).
+    `cold_only`: models that can never be checkpointed (a swap stops them and cold-starts them later)."""
+    name = "swap_budget"
+    expected = f"room to park {max(0, out_at_once)} engines at once (the models beyond swap.max_resident)"
+    never = ""
+    if cold_only:
+        never = f"; {', '.join(cold_only)}: cannot be suspended, so a swap stops it drained and cold-starts it later"
+    if not costs:
+        why = "no engine can be suspended"
+        if card_unknown:
+            why = "the card's memory is unknown (gpu.card = any and no NVML reading)"
+        return CheckResult(name, Status.SKIP, f"{why}{never}", expected)
+    if budget_mib is None:
+        return CheckResult(name, Status.SKIP, f"host memory not measured: {source}{never}", expected,
+                           "set swap.host_memory_budget_mib")  # fmt: skip
+    count = parkable_count(budget_mib, (cost for _, cost in costs))
+    each = ", ".join(f"{n} {cost} MiB" for n, cost in costs)
+    measured = (f"{budget_mib} MiB ({source}) holds {count} of {len(costs)} engines parked ({each}, "
+                f"each its share of the card + {ESTIMATED_BASE_RSS_MIB} MiB base RSS){never}")  # fmt: skip
+    if count >= min(len(costs), out_at_once):
+        return CheckResult(name, Status.OK, measured, expected)
+    return CheckResult(name, Status.WARN, measured, expected,
+                       "a swap with no room to park stops the outgoing engine drained and cold-starts it later (slow): "
+                       "add host memory, raise the unit's MemoryMax, or lower the models' gpu_memory_utilization")  # fmt: skip

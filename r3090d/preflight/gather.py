@@ -11,6 +11,7 @@ import psutil
 
 from r3090d import argv as argvmod
 from r3090d.config import Config
+from r3090d.core.hostmemory import HostMemory
 from r3090d.core.room import unique_processes
 from r3090d.core.snapshot import GpuSample, GpuStatus
 from r3090d.core.suspend_types import Outcome
@@ -19,6 +20,7 @@ from r3090d.effectors.suspender import Suspender
 from r3090d.preflight.checks import CheckResult, PreflightFacts, run_checks
 from r3090d.probes import nvml as nvmlprobe
 from r3090d.probes.host import gather_host
+from r3090d.probes.hostmem import read_host_memory
 
 DEFAULT_NVML_TIMEOUT_S = 10.0
 CHECKPOINT_STATE_TIMEOUT_S = 15.0  # the worker loads libcuda and calls cuInit: seconds on a busy host
@@ -114,6 +116,17 @@ def gather(
         pid_names=_process_names(gpu),
         checkpoint_state=checkpoint_state(gpu, own_pids) if cfg.gpu.required else None,
         ptrace_scope=read_ptrace_scope(root),
+        host_memory=_host_memory(root) if getattr(cfg, "models", ()) else None,
+    )
+
+
+def _host_memory(root: Path | str) -> HostMemory:
+    """What parked engines may hold (swap mode): MemAvailable and this process's cgroup, under `root`."""
+    root = Path(root)
+    return read_host_memory(
+        meminfo=root / "proc" / "meminfo",
+        cgroup_root=root / "sys" / "fs" / "cgroup",
+        self_cgroup=root / "proc" / "self" / "cgroup",
     )
 
 
