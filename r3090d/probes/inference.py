@@ -1,8 +1,14 @@
-"""The active inference probe: one tiny completion, off the loop.
+"""The active inference probe: one tiny request, off the loop.
 
 A frozen EngineCore leaves /health answering 200 and the gauges flat at zero;
 only a real request notices. The probe runs in its own thread so its timeout
 never delays the loop; the loop reads the latest result.
+
+The request depends on the engine's kind (engine.kind): a generative engine gets
+a 1-token completion, judged by its status alone; an embedding engine, which
+refuses /v1/completions, gets a 1-input embedding, judged by its status and by a
+non-empty vector of finite numbers in data[0].embedding. A completion is never
+sent to an embedding engine.
 
 Whatever goes wrong in that thread, it ends by recording a failed sample: a probe
 left "in flight" would never be sent again, and a frozen engine would go unseen.
@@ -10,11 +16,15 @@ left "in flight" would never be sent again, and a frozen engine would go unseen.
 
 from __future__ import annotations
 
+import json
+import math
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import httpx
 
+from r3090d.config.schema import EngineKind
 from r3090d.core.snapshot import InferenceProbeSample
 from r3090d.probes.http import engine_client
 from r3090d.probes.offloop import OffLoop
@@ -24,12 +34,62 @@ OVERDUE_MARGIN_S = 2.0
 # The status line arrives once the completion is done; the body is not needed, and
 # not reading it means a server that trickles it cannot hold the probe.
 _HEADERS = {"Connection": "close"}
+# An embedding's answer is read: one vector of a few thousand floats is well under 1 MiB.
+MAX_EMBEDDING_ANSWER = 4 << 20
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """What the probe sends to an engine of one kind, and how it judges the answer."""
+
+    path: str
+    body: Callable[[str], dict]  # the served model name -> the JSON body
+    # The 200 answer's body -> None when it is right, else what is wrong; None: the status alone decides.
+    judge: Callable[[bytes], str | None] | None
+
+
+def _completion_body(model: str) -> dict:
+    return {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+
+
+def _embedding_body(model: str) -> dict:
+    return {"model": model, "input": "ping", "encoding_format": "float"}
+
+
+def judge_embedding(body: bytes) -> str | None:
+    """None when data[0].embedding is a non-empty list of finite numbers, else what is wrong."""
+    try:
+        answer = json.loads(body)
+    except ValueError:  # also UnicodeDecodeError
+        return "the answer is not JSON"
+    data = answer.get("data") if isinstance(answer, dict) else None
+    first = data[0] if isinstance(data, list) and data else None
+    vector = first.get("embedding") if isinstance(first, dict) else None
+    if not isinstance(vector, list):
+        return "the answer has no data[0].embedding list"
+    if not vector:
+        return "data[0].embedding is empty"
+    for x in vector:
+        # json.loads reads NaN and Infinity: an engine that computes them is broken.
+        if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+            return f"data[0].embedding holds {_short(repr(x)[:40])}, not a finite number"
+    return None
+
+
+PROBE_REQUESTS: dict[EngineKind, ProbeRequest] = {
+    # The status line arrives once the completion is done; its body is not needed.
+    EngineKind.GENERATE: ProbeRequest("/v1/completions", _completion_body, None),
+    # /v1/completions refuses a pooling model; an embedding is its smallest real request.
+    EngineKind.EMBED: ProbeRequest("/v1/embeddings", _embedding_body, judge_embedding),
+}
 
 
 class InferenceProber(OffLoop[InferenceProbeSample]):
-    def __init__(self, base_url: str, model: str, api_key: str, timeout: float, wake=None, *, sent_before: int = 0):
+    def __init__(self, base_url: str, model: str, api_key: str, timeout: float, wake=None, *, sent_before: int = 0,
+                 kind: EngineKind = EngineKind.GENERATE):  # fmt: skip
         super().__init__(InferenceProbeSample(), wake, sent_before)
-        self._url = base_url.rstrip("/") + "/v1/completions"
+        self._probe = PROBE_REQUESTS[kind]
+        self._url = base_url.rstrip("/") + self._probe.path
         self._model = model
         self._api_key = api_key
         self._timeout = timeout
@@ -61,12 +121,20 @@ class InferenceProber(OffLoop[InferenceProbeSample]):
         headers = dict(_HEADERS)
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
-        body = {"model": self._model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+        body = self._probe.body(self._model)
         timeout = httpx.Timeout(self._timeout, connect=min(5.0, self._timeout))
+        deadline = time.monotonic() + self._timeout
         with engine_client(timeout) as client:
             with client.stream("POST", self._url, json=body, headers=headers) as resp:
-                ok = resp.status_code == 200
-                return ok, "" if ok else f"HTTP {resp.status_code}"
+                if resp.status_code != 200:
+                    return False, f"HTTP {resp.status_code}"
+                if self._probe.judge is None:
+                    return True, ""
+                answer = _read_bounded(resp, deadline, self._timeout)
+                if isinstance(answer, str):
+                    return False, answer
+                wrong = self._probe.judge(answer)
+                return wrong is None, wrong or ""
 
     def _describe(self, exc: Exception) -> str:
         name = type(exc).__name__
@@ -107,6 +175,20 @@ class InferenceProber(OffLoop[InferenceProbeSample]):
                     consecutive_failures=prev.consecutive_failures + 1,
                 )
             return replace(self._sample, sent_total=self._sent_total)
+
+
+def _read_bounded(resp: httpx.Response, deadline: float, timeout: float) -> bytes | str:
+    """The answer's body, or what kept it from being read: too big, or not done by the probe's deadline
+    (each read has its own timeout, but a server can trickle a byte inside each one)."""
+    chunks, size = [], 0
+    for chunk in resp.iter_bytes():
+        size += len(chunk)
+        if size > MAX_EMBEDDING_ANSWER:
+            return f"the answer is over {MAX_EMBEDDING_ANSWER >> 20} MiB"
+        if time.monotonic() > deadline:
+            return f"the answer was not read within {timeout:.0f} s"
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _short(text: str) -> str:
