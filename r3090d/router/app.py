@@ -1,0 +1,255 @@
+"""The router's HTTP side: the routes, the API key, the body limit, and the wait for a routable model.
+
+A request that names its model in the body goes to that model's engine; one
+for a model not routable now waits in the waitroom (its line, arrival order)
+for at most the queue timeout, then gets 503 with Retry-After. If the engine
+refuses or drops the connection before answering (a swap or a crash raced the
+table), the request waits again, once, for the next table that says routable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from r3090d.router import replies
+from r3090d.router.link import EngineState
+from r3090d.router.linkclient import LinkClient
+from r3090d.router.upstream import Unreachable, forward, session
+from r3090d.router.waitroom import QueueTimeout, ShuttingDown, UnknownModel, Waitroom
+
+log = logging.getLogger("r3090d.router")
+
+# The POST routes of vLLM 0.32's server whose JSON body names the model: the OpenAI ones, vLLM's
+# pooling, scoring and tokenizer routes, and the Anthropic messages route.
+# Left out: /v1/audio/transcriptions and /v1/audio/translations (multipart bodies, the model a form
+# field), and GET/DELETE /v1/responses/{id} (stored responses, no model to route by).
+MODEL_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/score",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/score",
+    "/rerank",
+    "/pooling",
+    "/classify",
+    "/tokenize",
+    "/detokenize",
+)
+BODY_READ_TIMEOUT_S = 60.0  # a client that sends its body slower than this holds a handler for nothing
+APP_KEY = web.AppKey("router", object)
+
+
+@dataclass(frozen=True)
+class Options:
+    host: str
+    port: int
+    link: Path
+    queue_timeout: float
+    max_body_bytes: int
+    api_key: str | None
+    drain_timeout: float = 5.0
+
+
+class Router:
+    def __init__(self, options: Options):
+        self.options = options
+        self.waitroom = Waitroom(on_change=self._demand_changed)
+        self.link = LinkClient(options.link, self.waitroom)
+        self.client: aiohttp.ClientSession | None = None
+        self.started_unix = int(time.time())
+        self._expected_auth = f"Bearer {options.api_key}".encode() if options.api_key else None
+
+    def _demand_changed(self, urgent: bool) -> None:
+        self.link.demand_changed(urgent)
+
+    # -- checks
+    def _authorized(self, request: web.Request) -> bool:
+        if self._expected_auth is None:
+            return True
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(given, self._expected_auth)
+
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        limit = self.options.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            return replies.too_large(limit)
+        try:
+            async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return replies.too_large(limit)
+        except TimeoutError:
+            return replies.body_timeout(BODY_READ_TIMEOUT_S)
+
+    # -- handlers
+    async def route_by_model(self, request: web.Request) -> web.StreamResponse:
+        if not self._authorized(request):
+            return replies.unauthorized()
+        body = await self._read_body(request)
+        if isinstance(body, web.Response):
+            return body
+        name = model_of(body)
+        if isinstance(name, web.Response):
+            return name
+        arrived = time.monotonic()
+        try:
+            entry = self.waitroom.lookup(name) or await self.waitroom.wait(
+                name, self.options.queue_timeout, arrived
+            )
+            try:
+                return await self._send(request, body, entry)
+            except Unreachable as first:
+                log.warning("%s for %s: %s's engine at %s did not answer (%s); waiting for it again",
+                            request.path, name, name, entry.upstream, first)  # fmt: skip
+                again_after = self.waitroom.generation if first.refused else 0
+                entry = (None if first.refused else self.waitroom.lookup(name)) or await self.waitroom.wait(
+                    name, self.options.queue_timeout, arrived, after_generation=again_after
+                )
+            try:
+                return await self._send(request, body, entry)
+            except Unreachable as second:
+                log.warning(
+                    "%s for %s: %s's engine did not answer again (%s); 502", request.path, name, name, second
+                )
+                return replies.unreachable(name)
+        except UnknownModel:
+            return replies.unknown_model(name)
+        except QueueTimeout:
+            return replies.queue_timeout(name, self.options.queue_timeout)
+        except ShuttingDown:
+            return replies.shutting_down()
+
+    async def _send(self, request: web.Request, body: bytes, entry) -> web.StreamResponse:
+        self.waitroom.started(entry.name)
+        try:
+            return await forward(self.client, request, body, entry)
+        finally:
+            self.waitroom.finished(entry.name)
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return replies.unauthorized()
+        table = self.waitroom.table
+        data = [
+            {"id": m.name, "object": "model", "created": self.started_unix, "owned_by": "r3090d"}
+            for m in (table.models if table else ())
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        table = self.waitroom.table
+        if not self.link.linked or table is None:
+            return web.json_response(
+                {"status": "unavailable", "reason": "not linked to the daemon"}, status=503
+            )
+        if not any(m.state is not EngineState.FAILED for m in table.models):
+            return web.json_response(
+                {"status": "unavailable", "reason": "no model that has not failed"}, status=503
+            )
+        return web.json_response({"status": "ok"})
+
+    async def not_found(self, request: web.Request) -> web.Response:
+        if request.path.startswith("/v1/") and not self._authorized(request):
+            return replies.unauthorized()
+        return replies.not_found(request.path)
+
+    # -- the application
+    def application(self) -> web.Application:
+        # The body limit is enforced in the handler (413 in OpenAI's shape); aiohttp's own is a backstop.
+        app = web.Application(client_max_size=self.options.max_body_bytes)
+        app[APP_KEY] = self
+        for path in MODEL_ROUTES:
+            app.router.add_post(path, self.route_by_model)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_route("*", "/{tail:.*}", self.not_found)
+        return app
+
+
+class OneLineHttpErrors(logging.Filter):
+    """aiohttp logs a client's malformed request (a header over its limit, not HTTP at all) with a
+    traceback at ERROR. It is the client's problem: one WARNING line, at most one a second."""
+
+    def __init__(self, interval: float = 1.0):
+        super().__init__()
+        self.interval = interval
+        self.last = float("-inf")
+        self.suppressed = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            self.suppressed += 1
+            return False
+        more = f" ({self.suppressed} more since the last)" if self.suppressed else ""
+        self.last, self.suppressed = now, 0
+        text = " ".join(str(exc).split())[:200]
+        record.msg, record.args = "%s: a malformed request: %s%s", (record.getMessage(), text, more)
+        record.exc_info = record.exc_text = None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def model_of(body: bytes) -> str | web.Response:
+    """The body's `model`, or the 400 that says what is wrong with the body."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return replies.bad_request("The request body is not valid JSON.")
+    if not isinstance(obj, dict):
+        return replies.bad_request("The request body must be a JSON object.")
+    name = obj.get("model")
+    if name is None:
+        return replies.bad_request("The request names no `model`; this server routes by it.", "model")
+    if not isinstance(name, str) or not name:
+        return replies.bad_request("`model` must be a non-empty string.", "model")
+    return name
+
+
+async def serve(options: Options) -> None:
+    """Until SIGTERM or SIGINT: stop accepting, answer the waiting requests, let streams finish
+    for up to `drain_timeout` s, close."""
+    logging.getLogger("aiohttp.server").addFilter(OneLineHttpErrors())
+    router = Router(options)
+    router.client = session()
+    runner = web.AppRunner(router.application(), handler_cancellation=True, shutdown_timeout=options.drain_timeout,
+                           access_log=None)  # fmt: skip
+    await runner.setup()
+    site = web.TCPSite(runner, options.host, options.port, backlog=1024)
+    await site.start()
+    log.info("listening on %s:%d; link %s", options.host, options.port, options.link)
+    link_task = asyncio.create_task(router.link.run(), name="link")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    inflight = router.waitroom.inflight()
+    log.info("stopping: %d request(s) in flight get up to %g s to finish", inflight, options.drain_timeout)
+    router.waitroom.close()
+    await runner.cleanup()
+    await router.link.close()
+    link_task.cancel()
+    try:
+        await link_task
+    except asyncio.CancelledError:
+        pass
+    await router.client.close()
