@@ -5,10 +5,11 @@ DEV_STAMP := build/.dev-installed
 PREFIX ?= /opt/r3090d
 WHEEL_DIR ?= dist
 
-.PHONY: help dev demo test test-fast test-e2e bench lint wheel install uninstall clean
+.PHONY: help dev demo demo-swap test test-fast test-e2e bench lint wheel install uninstall clean
 
 help:
 	@echo "make demo       the daemon in the foreground, supervising a real vLLM on CPU (no GPU needed)"
+	@echo "make demo-swap  two models behind one endpoint (the router), swapped on a real vLLM on CPU"
 	@echo "make test       every test tier: unit, component, real systemd, real vLLM on CPU"
 	@echo "make test-fast  unit and component tests only"
 	@echo "make bench      benchmarks that print numbers (the GPU ones where there is a GPU)"
@@ -31,6 +32,11 @@ dev: $(DEV_STAMP)
 demo: $(DEV_STAMP) engine-cpu tiny-model-weights
 	@echo "demo: starting r3090d in the foreground; Ctrl-C stops everything"
 	$(PYTHON) -m r3090d --config etc/demo.toml
+
+# Swap mode on CPU: two served models, one engine at a time, a swap is a stop and a cold start.
+demo-swap: $(DEV_STAMP) engine-cpu tiny-model-weights
+	@echo "demo-swap: starting r3090d in the foreground, the router on 127.0.0.1:8090; Ctrl-C stops everything"
+	$(PYTHON) -m r3090d --config etc/demo-swap.toml
 
 test: $(DEV_STAMP) engine-cpu tiny-model
 	$(PYTEST) tests -q
