@@ -16,7 +16,9 @@ of its demand. Its rules:
 4. Otherwise a ready engine makes room: an idle one first (least recently used
    first), else one resident at least `min_residency`, busy or not (its requests
    are frozen with it and come back in its turn: no busy model starves another
-   for ever). None: nothing moves, and `recheck_at` says when one will be.
+   for ever). None: nothing moves, and `recheck_at` says when one will be. An
+   engine whose own requests have waited since before the target's turn is not
+   chosen: they came first.
 5. The outgoing engine is parked when the card can checkpoint it and host memory
    holds it, evicting least recently used parked engines without frozen requests
    to make room; else it is stopped drained (cold). The target's own move comes in
@@ -168,7 +170,7 @@ def plan(engines: tuple[EngineView, ...], cfg: ArbiterConfig, now: float) -> Pla
     if len(resident) < cfg.max_resident:
         move = _bring_in(target, wait)
         return decided(move.why, (move,))
-    victim, recheck_at = _victim(resident, cfg.min_residency, now)
+    victim, recheck_at = _victim(resident, cfg.min_residency, now, _turn(target, now))
     if victim is None:
         until = f"until {recheck_at - now:.1f} s from now" if recheck_at is not None else "for now"
         return decided(
@@ -248,11 +250,14 @@ def _bring_in(target: EngineView, wait: str) -> Unpark | ColdStart:
 
 
 def _victim(
-    resident: list[EngineView], min_residency: float, now: float
+    resident: list[EngineView], min_residency: float, now: float, turn: float
 ) -> tuple[EngineView | None, float | None]:
     """Rule 4: an idle ready engine, least recently used first; else one resident at least min_residency.
-    None, with the earliest time one will have been: every ready engine is busy and recent."""
-    ready = [e for e in resident if e.residency is Residency.READY]
+    None, with the earliest time one will have been: every ready engine is busy and recent.
+
+    Arrival order holds here too: an engine with requests waiting since before the target's turn (it
+    has just come in, and the router is sending them) serves those first, whatever min_residency says."""
+    ready = [e for e in resident if e.residency is Residency.READY and not _ahead_of(e, turn)]
     idle = sorted((e for e in ready if e.idle), key=_lru_key)
     if idle:
         return idle[0], None
@@ -267,6 +272,10 @@ def _victim(
     return None, min(
         (e.resident_since + min_residency for e in ready if e.resident_since is not None), default=None
     )
+
+
+def _ahead_of(engine: EngineView, turn: float) -> bool:
+    return engine.waiting > 0 and engine.oldest_waiting_at is not None and engine.oldest_waiting_at <= turn
 
 
 def _make_room(

@@ -159,9 +159,13 @@ class Fleet:
         if shutdown:
             self._publish(now)
             return exitcodes.OK if len(self.exited) == len(self.units) else None
+        # A swap whose target has just become ready ends before the next one can begin in this tick.
+        decided_at = time.monotonic()
+        ended = self.swaps.observe(self.units, decided_at)
         self._arbitrate(now)
         self._publish(now)
-        self.swaps.observe(self.units, time.monotonic(), routing_s=time.monotonic() - now)
+        if ended:
+            self.swaps.routed(time.monotonic() - decided_at)  # the table with the target routable has gone out
         return None
 
     def _alert(self, action: SendAlert, alerts) -> None:
@@ -178,7 +182,7 @@ class Fleet:
         processes = snap.gpu.processes if snap.gpu.usable else None
         if unit.st.phase is Phase.READY and processes:
             tree = set(snap.child.tree_pids) | ({snap.child.pid} if snap.child.pid else set())
-            held = sum(p.used_memory or 0 for p in processes if p.pid in tree)
+            held = sum(p.used_bytes or 0 for p in processes if p.pid in tree)
             if held:
                 self.gpu_mib[name] = held // MIB
 

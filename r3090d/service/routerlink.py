@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import struct
 import threading
+import time
 from pathlib import Path
 
 from r3090d.router.link import Demand, LinkError, Table, decode, encode_table
@@ -119,8 +121,7 @@ class LinkServer:
             if conn is None or (self.sent is not None and self.sent.models == table.models):
                 return
         try:
-            conn.settimeout(SEND_TIMEOUT_S)
-            conn.sendall(encode_table(table))
+            _send_all(conn, encode_table(table), SEND_TIMEOUT_S)
         except OSError as exc:
             log.warning("router link: cannot send the table (%s); the router will be sent it when it connects again", exc)
             _close(conn)
@@ -148,6 +149,21 @@ def _same_user(conn: socket.socket) -> bool:
         return False
     _pid, uid, _gid = struct.unpack("3i", creds)
     return uid == os.getuid()
+
+
+def _send_all(conn: socket.socket, data: bytes, timeout: float) -> None:
+    """Without blocking the loop past `timeout`; not with settimeout, which would time out the reader's recv too."""
+    deadline = time.monotonic() + timeout
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[conn.send(view, socket.MSG_DONTWAIT) :]
+            continue
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([], [conn], [], left)[1]:
+            raise TimeoutError(f"the router did not read {len(data)} bytes in {timeout:.0f} s")
 
 
 def _close(sock: socket.socket) -> None:

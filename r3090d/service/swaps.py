@@ -11,7 +11,7 @@ fails when the target gives up.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from r3090d.core.suspension import Stage
 from r3090d.core.vocabulary import Phase
@@ -54,20 +54,22 @@ class SwapTracker:
             self.current.to_model = target
             self.current.cold = not parked
 
-    def observe(self, units: dict, now: float, *, routing_s: float) -> None:
+    def observe(self, units: dict, now: float) -> bool:
+        """This tick's time, into the stage each engine of the swap is in; True when the swap has just ended well
+        (the caller then says how long the router's table took: routed())."""
         s = self.current
         if s is None:
-            return
+            return False
         dt, s.last_at = max(0.0, now - s.last_at), now
         out = units.get(s.from_model) if s.from_model else None
         target = units.get(s.to_model) if s.to_model else None
         bucket = None
         if target is not None and target.st.phase is Phase.READY:
-            self._end(s, now, ok=True, routing_s=routing_s)
-            return
+            self._end(s, now, ok=True)
+            return True
         if target is not None and target.st.phase in (Phase.GIVEN_UP, Phase.RESET_NEEDED):
-            self._end(s, now, ok=False, routing_s=None, error=target.st.give_up_reason or f"{s.to_model} is {target.st.phase.value}")
-            return
+            self._end(s, now, ok=False, error=target.st.give_up_reason or f"{s.to_model} is {target.st.phase.value}")
+            return False
         if target is not None:
             bucket = self._incoming(target.st)
         if bucket is None and out is not None:
@@ -75,6 +77,13 @@ class SwapTracker:
         if bucket is not None:
             s.times[bucket] = s.times.get(bucket, 0.0) + dt
             s.stage = f"{_STAGE_WORDS[bucket]} {s.to_model if bucket in ('restore_s', 'start_s', 'canary_s') else s.from_model}"
+        return False
+
+    def routed(self, routing_s: float) -> None:
+        """The swap that just ended: the target's routable table went out `routing_s` after the decision."""
+        if self.last is not None and self.last.ok:
+            seconds = (self.last.seconds or 0.0) + routing_s
+            self.last = replace(self.last, routing_s=round(routing_s, 4), seconds=round(seconds, 3))
 
     @staticmethod
     def _outgoing(st) -> str | None:
@@ -92,13 +101,13 @@ class SwapTracker:
             return "start_s"
         return None
 
-    def _end(self, s: Swap, now: float, *, ok: bool, routing_s: float | None, error: str = "") -> None:
+    def _end(self, s: Swap, now: float, *, ok: bool, error: str = "") -> None:
         seconds = now - s.started_at
         t = {k: round(v, 3) for k, v in s.times.items()}
         self.last = SwapRecord(
             from_model=s.from_model, to_model=s.to_model or "", cold=s.cold, ok=ok, seconds=round(seconds, 3),
             drain_s=t.get("drain_s"), checkpoint_s=t.get("checkpoint_s"), stop_s=t.get("stop_s"), restore_s=t.get("restore_s"),
-            start_s=t.get("start_s"), canary_s=t.get("canary_s"), routing_s=round(routing_s, 4) if routing_s is not None else None,
+            start_s=t.get("start_s"), canary_s=t.get("canary_s"),
             frozen_requests=s.frozen, error=error, at=time.time(),
         )  # fmt: skip
         self.total += 1

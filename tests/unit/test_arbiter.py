@@ -113,6 +113,11 @@ RULES = [
      (Park("x"),), "a", None),
     ("zero-min-residency", (ready("x", since=999.9, inflight=1), cold("a", **waits(990))), cfg(min_residency=0),
      (Park("x"),), "a", None),
+    # Arrival order beats min_residency: requests waiting for the resident engine since before the target's turn go first.
+    ("own-older-waiters-keep-it", (ready("x", since=999.9, **waits(980)), parked("a", at=990, inflight=3)),
+     cfg(min_residency=0), (), "a", None),
+    ("own-younger-waiters-do-not", (ready("x", since=999.9, **waits(995)), parked("a", at=990, inflight=3)),
+     cfg(min_residency=0), (Park("x"),), "a", None),
     # max_resident = 2: a second engine comes in beside a busy one.
     ("max-resident-2-beside-a-busy-one", (ready("x", since=999, inflight=5), cold("a", **waits(990))),
      cfg(max_resident=2), (ColdStart("a"),), "a", None),

@@ -1,0 +1,273 @@
+"""Swap mode end to end: the daemon, its router, two vLLM doubles, and a GPU faked at its two boundaries.
+
+NVML is tests/fakenvml (a JSON card this test keeps: each engine's fake-EngineCore is
+listed once it runs, as a real card lists vLLM's EngineCore), the checkpoint calls are
+tests/fakecuda (lock SIGSTOPs the core, checkpoint takes it off the card, restore puts
+it back). Everything else is real: the daemon, the router (aiohttp, its own process),
+the link between them, r3090ctl and HTTP clients on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from r3090d.effectors.checkpoint import FAKE_ENV
+from tests.ctl_harness import ctl
+from tests.daemon_harness import DaemonProcess, free_port, toml_value
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.component
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE_PATHS = f"{ROOT / 'tests' / 'fakenvml'}{os.pathsep}{ROOT / 'tests' / 'fakecuda'}"
+ENGINE_MIB = 15349
+TOTAL_MIB = 24576  # one engine fits, two do not
+BOUND = 90.0  # a worker process per driver operation, two engines and a router on a busy 2-core machine
+STREAM_TOKENS = 60
+TOKEN_DELAY = 0.05  # 3 s per stream: longer than the swap's drain deadline below, so the streams are frozen
+
+
+def write_atomically(path: Path, data) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def swap_config(tmp: Path, engine_python: str, runtime_dir: Path, *, models=("alpha", "beta"), swap=None, gpu=True, extra=None) -> tuple[Path, int, int]:
+    """A swap-mode config: one [[models]] entry per name, each a directory of its own. (path, router port, exporter port)."""
+    port, exporter = free_port(), free_port()
+    lines = ['profile = "none"', "[engine]", f"python = {toml_value(engine_python)}", 'host = "127.0.0.1"', f"port = {port}",
+             "shutdown_timeout = 5", "startup_timeout = 60"]  # fmt: skip
+    for name in models:
+        model = tmp / f"model-{name}"
+        model.mkdir(exist_ok=True)
+        (model / "config.json").write_text("{}")
+        lines += ["[[models]]", f"name = {toml_value(name)}", f"model = {toml_value(str(model))}",
+                  f"extra_args = {toml_value(['--fake-token-delay', str(TOKEN_DELAY)])}"]  # fmt: skip
+    sections = {
+        "swap": {"min_residency": 0.0, "drain_timeout": 1.0, "queue_timeout": 60.0, "engine_port_base": _port_block(len(models)),
+                 "host_memory_budget_mib": 65536, **(swap or {})},  # this host's own budget may not hold a 15 GiB engine
+        "gpu": {"required": gpu, "card": "any"},
+        "watchdog": {"poll_interval": 0.2, "health_timeout": 1.0, "metrics_timeout": 1.0, "probe_idle_seconds": 600, "stall_seconds": 30.0,
+                     "min_uptime": 0.0, "lb_grace": 0.5},
+        "suspend": {"verify_timeout": 30.0, "lock_timeout": 2.0},
+        "alerts.syslog": {"enabled": False},
+        "daemon": {"state_dir": str(tmp / "state"), "runtime_dir": str(runtime_dir), "exporter_enabled": True, "exporter_port": exporter},
+        **(extra or {}),
+    }  # fmt: skip
+    for name, table in sections.items():
+        lines.append(f"\n[{name}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+    path = tmp / "swap.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path, port, exporter
+
+
+def _port_block(n: int) -> int:
+    """n consecutive free ports (the engines'), found by trying blocks."""
+    for _ in range(50):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports")
+
+
+class Card:
+    """The fake card: every engine core that runs is listed with ENGINE_MIB (the checkpoint driver takes it off and
+    puts it back); a core that is gone is dropped."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.seen: set[int] = set()
+        self.stop = threading.Event()
+        write_atomically(path, {"memory_total_mib": TOTAL_MIB, "memory_used_mib": 0, "util": 50, "processes": []})
+
+    def keep(self) -> None:
+        while not self.stop.wait(0.05):
+            cores = {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "fake-EngineCore"}
+            new, gone = cores - self.seen, {pid for pid in self.seen if pid not in cores}
+            if not new and not gone:
+                continue
+            card = json.loads(self.path.read_text())
+            procs = [[pid, mib] for pid, mib in card["processes"] if pid not in gone] + [[pid, ENGINE_MIB] for pid in sorted(new)]
+            write_atomically(self.path, {**card, "processes": procs, "memory_used_mib": sum(mib for _, mib in procs)})
+            self.seen = (self.seen | new) - gone
+
+
+@pytest.fixture
+def swap_rig(tmp_path, fake_engine_python):
+    started = []
+
+    def start(**kw):
+        runtime = Path(tempfile.mkdtemp(prefix="r3090d-", dir="/tmp"))
+        config, port, exporter = swap_config(tmp_path, fake_engine_python, runtime, **kw)
+        card = Card(tmp_path / "card.json")
+        control = tmp_path / "cuda.json"
+        write_atomically(control, {"log": str(tmp_path / "calls.jsonl")})
+        threading.Thread(target=card.keep, daemon=True).start()
+        proc = DaemonProcess(config, tmp_path / "daemon.log", "--skip-preflight")
+        proc._log = open(proc.log_path, "ab")  # noqa: SIM115 (closed by cleanup)
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "R3090D_CONFIG", "R3090D_INSTANCE")}
+        env.update(PYTHONPATH=FAKE_PATHS, R3090D_FAKE_NVML=str(card.path), **{FAKE_ENV: str(control)})
+        proc.proc = subprocess.Popen([sys.executable, "-m", "r3090d", "--config", str(config), "--skip-preflight"], stdout=proc._log,
+                                     stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        rig = SwapRig(proc, config, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{exporter}", card)
+        started.append((rig, runtime))
+        # The router listens once it has started and taken the daemon's table.
+        proc.wait_for(lambda st: (st.get("swap") or {}).get("router", {}).get("linked"), BOUND, "the router, linked")
+        wait_until(lambda: httpx.get(rig.url + "/v1/models", timeout=2.0, trust_env=False).status_code == 200, BOUND,
+                   what="the router's /v1/models", ignoring=(httpx.HTTPError,))  # fmt: skip
+        return rig
+
+    yield start
+    for rig, runtime in started:
+        rig.card.stop.set()
+        rig.proc.cleanup()
+        shutil.rmtree(runtime, ignore_errors=True)
+        for p in psutil.process_iter(["name"]):
+            if p.info["name"] in ("fake-EngineCore", "fake-Worker"):
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+
+
+class SwapRig:
+    def __init__(self, proc: DaemonProcess, config: Path, url: str, exporter: str, card: Card):
+        self.proc, self.config, self.url, self.exporter, self.card = proc, config, url, exporter, card
+
+    def model(self, st: dict, name: str) -> dict:
+        return next(m for m in st["models"] if m["name"] == name)
+
+    def wait_model(self, name: str, residency: str, timeout: float = BOUND) -> dict:
+        return self.proc.wait_for(lambda st: st if self.model(st, name)["residency"] == residency else None, timeout, f"{name} {residency}")
+
+    def complete(self, model: str, tokens: int = 5, timeout: float = BOUND) -> httpx.Response:
+        return httpx.post(self.url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": tokens}, timeout=timeout,
+                          trust_env=False)  # fmt: skip
+
+
+class Stream:
+    """One streaming completion in a thread: its chunks' arrival times, and how it ended."""
+
+    def __init__(self, url: str, model: str, tokens: int):
+        self.chunks: list[float] = []
+        self.finish: str | None = None
+        self.error: str | None = None
+        self.ended_at: float | None = None
+        body = {"model": model, "prompt": "hi", "max_tokens": tokens, "stream": True}
+        self.thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, url: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=httpx.Timeout(BOUND * 2), trust_env=False) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    self.chunks.append(time.monotonic())
+                    choice = json.loads(line[6:])["choices"][0]
+                    self.finish = choice.get("finish_reason") or self.finish
+        except httpx.HTTPError as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+        self.ended_at = time.time()
+
+
+def test_a_swap_under_load_freezes_the_outgoing_engines_streams_and_they_finish_after_it_returns(swap_rig):
+    r = swap_rig()
+    assert r.complete("alpha").status_code == 200  # alpha comes in cold
+    st = r.wait_model("alpha", "ready")
+    wait_until(lambda: any(p[0] for p in json.loads(r.card.path.read_text())["processes"]), BOUND, what="alpha's core on the card")
+    r.proc.wait_for(lambda s: (s.get("gpu") or {}).get("processes"), BOUND, "NVML to list alpha's core")
+    # The canary's baseline, taken at alpha's first idle moment: what its resume must give back.
+    r.proc.wait_for(lambda s: r.model(s, "alpha")["canary"]["baseline_tokens"], BOUND, "alpha's canary baseline")
+
+    streams = [Stream(r.url, "alpha", STREAM_TOKENS) for _ in range(3)]
+    wait_until(lambda: all(s.chunks for s in streams), BOUND, what="the three streams' first tokens")
+    beta = r.complete("beta")  # alpha is parked with the streams frozen in it, beta starts cold
+    assert beta.status_code == 200, beta.text
+    st = r.proc.state()
+    alpha = r.model(st, "alpha")
+    assert alpha["residency"] in ("parked", "resuming", "ready"), alpha["residency"]
+    assert not any(s.finish for s in streams), "a stream finished while its engine was parked"
+
+    # alpha's frozen requests are pending work: beta is parked and alpha comes back by itself.
+    st = r.wait_model("alpha", "ready")
+    back_at = r.model(st, "alpha")["engine"]["ready_since"]
+    for s in streams:
+        s.thread.join(BOUND)
+    assert [(s.finish, s.error, len(s.chunks)) for s in streams] == [("length", None, STREAM_TOKENS)] * 3
+    assert all(s.ended_at > back_at for s in streams), "every frozen stream ends after alpha's return"
+    gaps = [max(b - a for a, b in zip(s.chunks, s.chunks[1:], strict=False)) for s in streams]
+    assert min(gaps) >= 1.0, f"each stream paused while its engine was parked: longest gaps {gaps}"
+
+    st = r.proc.state()
+    assert r.model(st, "beta")["residency"] == "parked"
+    assert r.model(st, "alpha")["swaps_in"] == 2 and r.model(st, "alpha")["swaps_out"] == 1
+    assert [r.model(st, m)["restarts"]["total"] for m in ("alpha", "beta")] == [0, 0]
+    last = st["swap"]["last"]
+    assert last["ok"] and last["to_model"] == "alpha" and last["from_model"] == "beta" and not last["cold"]
+    assert last["restore_s"] is not None and last["checkpoint_s"] is not None
+    canary = r.model(st, "alpha")["canary"]
+    assert canary["checks"] >= 1 and canary["last_verdict"] == "match", canary  # the resumed engine gave the known answer
+    assert "Traceback" not in r.proc.log()
+
+
+def test_the_router_killed_mid_stream_is_started_again_and_serves(swap_rig):
+    r = swap_rig(models=("alpha",), gpu=False)
+    assert r.complete("alpha").status_code == 200
+    st = r.proc.state()
+    router = st["swap"]["router"]["pid"]
+    s = Stream(r.url, "alpha", STREAM_TOKENS)
+    wait_until(lambda: s.chunks, BOUND, what="the stream's first token")
+    killed_at = time.monotonic()
+    os.kill(router, signal.SIGKILL)
+    s.thread.join(BOUND)
+    assert s.finish is None and (s.error or len(s.chunks) < STREAM_TOKENS), "the stream through the killed router ended early"
+    st = r.proc.wait_for(lambda st: st if st["swap"]["router"]["pid"] not in (None, router) and st["swap"]["router"]["linked"] else None,
+                         BOUND, "a new router, linked")  # fmt: skip
+    assert st["swap"]["router"]["restarts"] == 1
+    ok = wait_until(lambda: r.complete("alpha", timeout=5.0).status_code == 200, BOUND, what="a completion through the new router",
+                    ignoring=(httpx.HTTPError,))  # fmt: skip
+    assert ok
+    assert f"router (pid {router}) killed by SIGKILL; starting it again" in r.proc.log()
+    assert time.monotonic() - killed_at < BOUND
+
+
+def test_swap_by_hand_and_status_show_each_model(swap_rig):
+    r = swap_rig(gpu=False)
+    out = ctl(r.config, "swap", "beta")
+    assert out.returncode == 0, out.stdout + out.stderr
+    r.wait_model("beta", "ready")
+    out = ctl(r.config, "status")
+    assert "beta" in out.stdout and "alpha" in out.stdout and out.returncode == 0, out.stdout + out.stderr
+    models = httpx.get(r.url + "/v1/models", timeout=5.0, trust_env=False).json()
+    assert sorted(m["id"] for m in models["data"]) == ["alpha", "beta"]
+    missing = httpx.post(r.url + "/v1/completions", json={"model": "gamma", "prompt": "x"}, timeout=5.0, trust_env=False)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
