@@ -17,33 +17,20 @@ what is wrong; the reader logs it and goes on with the next line.
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+# One vocabulary with the daemon: a model's kind is the config's, its state the arbiter's residency.
+from r3090d.config.schema import EngineKind as ModelKind
+from r3090d.core.arbiter import Residency as EngineState
 
 MAX_LINE_BYTES = 1024 * 1024  # a table of dozens of models is a few kB; a longer line is not ours
 
 
 class LinkError(ValueError):
     """A line that is not a valid link message."""
-
-
-class ModelKind(enum.StrEnum):
-    GENERATE = "generate"
-    EMBED = "embed"
-
-
-class EngineState(enum.StrEnum):
-    COLD = "cold"
-    STARTING = "starting"
-    READY = "ready"
-    PARKING = "parking"
-    PARKED = "parked"
-    RESUMING = "resuming"
-    STOPPING = "stopping"
-    FAILED = "failed"
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Swap mode's swaps, timed: from the arbiter's decision until the router routes to the target.
 
 Each tick the loop (polling every 0.1 s while a swap is under way) says where the
-outgoing and the incoming engine are; the time between two ticks goes to the stage
-they were in: the outgoing engine's drain, checkpoint or drained stop; the target's
+outgoing and the incoming engine are; the time since the tick before goes to the stage
+they are seen in (and the last tick's, when the target is seen ready, to the stage seen
+last), so the stages add up to the swap's time but for the decision's own tick: the outgoing engine's drain, checkpoint or drained stop; the target's
 restore, cold start or known-answer check. The swap ends when the target is ready
 and in the router's table (`routing_s`: that tick's decision to the table sent), or
 fails when the target gives up.
@@ -36,6 +37,7 @@ class Swap:
     times: dict[str, float] = field(default_factory=dict)
     last_at: float = 0.0
     stage: str = ""
+    bucket: str | None = None  # the stage seen last
 
 
 class SwapTracker:
@@ -65,6 +67,8 @@ class SwapTracker:
         target = units.get(s.to_model) if s.to_model else None
         bucket = None
         if target is not None and target.st.phase is Phase.READY:
+            if s.bucket is not None:  # the last stage lasted until the target was seen ready
+                s.times[s.bucket] = s.times.get(s.bucket, 0.0) + dt
             self._end(s, now, ok=True)
             return True
         if target is not None and target.st.phase in (Phase.GIVEN_UP, Phase.RESET_NEEDED):
@@ -74,7 +78,10 @@ class SwapTracker:
             bucket = self._incoming(target.st)
         if bucket is None and out is not None:
             bucket = self._outgoing(out.st)
+        if bucket == "start_s":
+            s.cold = True  # a cold start, even of an unpark whose parked engine had died
         if bucket is not None:
+            s.bucket = bucket
             s.times[bucket] = s.times.get(bucket, 0.0) + dt
             s.stage = f"{_STAGE_WORDS[bucket]} {s.to_model if bucket in ('restore_s', 'start_s', 'canary_s') else s.from_model}"
         return False
@@ -84,6 +91,7 @@ class SwapTracker:
         if self.last is not None and self.last.ok:
             seconds = (self.last.seconds or 0.0) + routing_s
             self.last = replace(self.last, routing_s=round(routing_s, 4), seconds=round(seconds, 3))
+            self.latency = self.latency.observed(self.last.seconds)
 
     @staticmethod
     def _outgoing(st) -> str | None:
@@ -112,8 +120,6 @@ class SwapTracker:
         )  # fmt: skip
         self.total += 1
         self.failed += 0 if ok else 1
-        if ok:
-            self.latency = self.latency.observed(seconds)
         self.current = None
 
     def progress(self) -> SwapProgress | None:
