@@ -6,8 +6,8 @@ core stalls it as it stalls a completion), and against servers whose one answer 
 
 from __future__ import annotations
 
+import http.server
 import json
-import socket
 import threading
 from collections.abc import Iterator
 
@@ -16,7 +16,6 @@ import pytest
 from r3090d.config import EngineKind
 from r3090d.probes import inference
 from r3090d.probes.inference import InferenceProber, judge_embedding
-from tests.canned_reply_server import CannedReplyServer
 
 pytestmark = pytest.mark.component
 
@@ -97,30 +96,50 @@ def test_a_wrong_key_is_an_http_failure_with_the_status(embed_double):
 # ------------------------------------------------------ answers fixed in advance
 
 
+class FixedAnswer(http.server.BaseHTTPRequestHandler):
+    """Reads the request whole (a peer that closes on unread bytes resets the connection), then gives the server's answer."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        status, body = self.server.answer
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:
+            pass  # the probe hung up, as it should past its cap
+        self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
 @pytest.fixture
 def canned() -> Iterator:
-    """reply(bytes) -> the URL of a server that answers every connection with those bytes."""
-    servers: list[CannedReplyServer] = []
+    """reply(status, body) -> the URL of an HTTP server that answers every request with them."""
+    servers: list[http.server.ThreadingHTTPServer] = []
 
-    def reply(raw: bytes) -> str:
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(8)
-        servers.append(CannedReplyServer(listener, raw))
-        return f"http://127.0.0.1:{listener.getsockname()[1]}"
+    def reply(status: int, body: bytes) -> str:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FixedAnswer)
+        server.daemon_threads = True
+        server.answer = (status, body)
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
 
     yield reply
     for server in servers:
-        server.close()
-
-
-def http_reply(status: str, body: bytes) -> bytes:
-    head = f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    return head.encode() + body
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_500_fails_the_probe_with_its_status(canned):
-    url = canned(http_reply("500 Internal Server Error", b'{"error": {"message": "engine dead", "code": 500}}'))
+    url = canned(500, b'{"error": {"message": "engine dead", "code": 500}}')
     prober, wake = prober_for(url, EngineKind.EMBED)
     sample = probe_once(prober, wake)
     assert sample.ok is False and sample.detail == "HTTP 500"
@@ -136,7 +155,7 @@ def test_a_500_fails_the_probe_with_its_status(canned):
     ],
 )
 def test_a_200_without_a_usable_vector_fails_the_probe(canned, body, detail):
-    prober, wake = prober_for(canned(http_reply("200 OK", body)), EngineKind.EMBED)
+    prober, wake = prober_for(canned(200, body), EngineKind.EMBED)
     sample = probe_once(prober, wake)
     assert sample.ok is False and detail in sample.detail, sample.detail
 
@@ -144,14 +163,14 @@ def test_a_200_without_a_usable_vector_fails_the_probe(canned, body, detail):
 def test_a_200_with_a_vector_passes_over_http(canned):
     """The canned server's shape is enough: the judge reads data[0].embedding, nothing else."""
     body = json.dumps({"data": [{"index": 0, "object": "embedding", "embedding": [0.25, -1, 0.5]}]}).encode()
-    prober, wake = prober_for(canned(http_reply("200 OK", body)), EngineKind.EMBED)
+    prober, wake = prober_for(canned(200, body), EngineKind.EMBED)
     assert probe_once(prober, wake).ok is True
 
 
 def test_an_answer_over_the_cap_fails_without_being_kept(canned):
     size = inference.MAX_EMBEDDING_ANSWER + 1024
     body = b'{"data": [{"embedding": [' + b"0," * (size // 2) + b"0]}]}"
-    prober, wake = prober_for(canned(http_reply("200 OK", body)), EngineKind.EMBED)
+    prober, wake = prober_for(canned(200, body), EngineKind.EMBED)
     sample = probe_once(prober, wake)
     assert sample.ok is False and "over 4 MiB" in sample.detail, sample.detail
 

@@ -229,6 +229,7 @@ def test_a_served_name_is_one_path_component(name, directory):
     "models, key, problem, fix",
     [
         (with_model(1, nmae="x"), "models[1].nmae", "unknown key", "did you mean models[1].name?"),
+        (with_model(0, api_key="sk-in-the-file"), "models[0].api_key", "unknown key", "did you mean models[0].api_key_file?"),
         (with_model(0, name=None), "models[0].name", "is required", 'set it to the name clients send as "model"'),
         (with_model(1, name="chat"), "models[1].name", "'chat' is also models[0].name", "give each model its own name"),
         (with_model(0, name="has space"), "models[0].name", "is not a model name", "use 1 to 128 letters"),
