@@ -150,12 +150,6 @@ def swap_rig(tmp_path, fake_engine_python):
         rig.card.stop.set()
         rig.proc.cleanup()
         shutil.rmtree(runtime, ignore_errors=True)
-        for p in psutil.process_iter(["name"]):
-            if p.info["name"] in ("fake-EngineCore", "fake-Worker"):
-                try:
-                    p.kill()
-                except psutil.Error:
-                    pass
 
 
 class SwapRig:
@@ -271,3 +265,34 @@ def test_swap_by_hand_and_status_show_each_model(swap_rig):
     assert sorted(m["id"] for m in models["data"]) == ["alpha", "beta"]
     missing = httpx.post(r.url + "/v1/completions", json={"model": "gamma", "prompt": "x"}, timeout=5.0, trust_env=False)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+
+
+def test_sigterm_drains_every_running_engine_at_once_and_their_streams_finish(swap_rig):
+    r = swap_rig(gpu=False, swap={"max_resident": 2})
+    for name in ("alpha", "beta"):
+        assert r.complete(name).status_code == 200
+    r.proc.wait_for(lambda st: all(m["residency"] == "ready" for m in st["models"]), BOUND, "both engines ready")
+    streams = [Stream(r.url, name, STREAM_TOKENS) for name in ("alpha", "beta")]
+    wait_until(lambda: all(s.chunks for s in streams), BOUND, what="both streams' first tokens")
+    trees = [pid for m in r.proc.state()["models"] for pid in m["engine"]["tree_pids"]]
+    r.proc.proc.send_signal(signal.SIGTERM)
+    assert r.proc.wait_exit(BOUND) == 0
+    for s in streams:
+        s.thread.join(BOUND)
+    assert [(s.finish, s.error, len(s.chunks)) for s in streams] == [("length", None, STREAM_TOKENS)] * 2
+    log = r.proc.log()
+    # Both drained stops were asked for before either stream ended: the engines drained side by side, not one by one.
+    asked = [line for line in log.splitlines() if "stopping engine (drained, shutdown)" in line]
+    assert len(asked) == 2, log[-3000:]
+    first_end = min(s.chunks[-1] for s in streams)
+    assert all(_log_time(line) < _wall(first_end) for line in asked), (asked, first_end)
+    assert trees and not [pid for pid in trees if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def _log_time(line: str) -> float:
+    stamp = line[:23]  # "2026-12-02 14:40:26,444"
+    return time.mktime(time.strptime(stamp[:19], "%Y-%m-%d %H:%M:%S")) + int(stamp[20:23]) / 1000
+
+
+def _wall(monotonic_t: float) -> float:
+    return time.time() - (time.monotonic() - monotonic_t)
