@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from r3090d import exitcodes
-from r3090d.config.schema import Config
+from r3090d.config.schema import Config, EngineKind
 from r3090d.core import alerting, canary, rules, suspension
 from r3090d.core.actions import (
     Action,
@@ -468,6 +468,8 @@ def _track_success(snap: Snapshot, st: PolicyState, cfg: Config, now: float) -> 
     """READY: a start succeeds once the engine served or was ready for min_uptime; widened detectors narrow after min_uptime."""
     if not st.succeeded:
         base, served = served_since_ready(snap, st)
+        # Served means completions (stop, length, repetition): an embedding engine's success is its min_uptime.
+        served = served and cfg.engine.kind is EngineKind.GENERATE
         st = replace(st, served_base=base)
         if served or _healthy_for(st, cfg, now):
             st = replace(st, succeeded=True, start_failures=0, same_cause_run=0, backoff_level=0, retrying=False,

@@ -14,6 +14,7 @@ import pytest
 from r3090d import config
 from r3090d.config.errors import ConfigError
 from r3090d.config.loading import from_dict
+from r3090d.config.schema import EngineKind
 from r3090d.core import policy
 from r3090d.core.actions import RequestGpuSample, SendAlert, StartEngine, StopEngine
 from r3090d.core.policy import Phase
@@ -120,6 +121,18 @@ def test_the_daemons_own_probes_do_not_count_as_serving():
     assert not r.st.succeeded
     r.tick(ch=dead(1))
     assert r.st.start_failures == 1
+
+
+def test_an_embedding_engine_succeeds_by_min_uptime_only():
+    """Served means completions: the served rule judges generative engines only."""
+    c = cfg()
+    c = dataclasses.replace(c, engine=dataclasses.replace(c.engine, kind=EngineKind.EMBED))
+    r = Run(c)
+    m, p = served(0)
+    r.tick(ch=child(1), metrics=m, inference=p)
+    m, p = served(150)
+    r.tick(dt=10, ch=child(1), metrics=m, inference=p)
+    assert not r.st.succeeded
 
 
 def test_ready_for_min_uptime_is_a_success_without_traffic():
