@@ -43,7 +43,8 @@ class Sampler:
         self.probe = EngineProbe(cfg.engine_url, cfg.model_name, wd.health_timeout, wd.metrics_timeout)
         # The count of probes sent carries over: the engine's completed requests still hold them.
         sent = self.prober.sent_total if self.prober is not None else 0
-        self.prober = InferenceProber(cfg.engine_url, cfg.model_name, cfg.api_key, wd.probe_timeout, wake=self.wake, sent_before=sent)
+        self.prober = InferenceProber(cfg.engine_url, cfg.model_name, cfg.api_key, wd.probe_timeout, wake=self.wake, sent_before=sent,
+                                      kind=cfg.engine.kind)
         # So does the earlier engine's baseline the current engine's first canary is compared with.
         old = self.canary
         self.canary = CanaryProber(cfg.engine_url, cfg.model_name, cfg.api_key, cfg.canary, wake=self.wake,

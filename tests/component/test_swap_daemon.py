@@ -47,8 +47,10 @@ def write_atomically(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
-def swap_config(tmp: Path, engine_python: str, runtime_dir: Path, *, models=("alpha", "beta"), swap=None, gpu=True, extra=None) -> tuple[Path, int, int]:
-    """A swap-mode config: one [[models]] entry per name, each a directory of its own. (path, router port, exporter port)."""
+def swap_config(tmp: Path, engine_python: str, runtime_dir: Path, *, models=("alpha", "beta"), swap=None, gpu=True, extra=None,
+                kinds=None, watchdog=None) -> tuple[Path, int, int]:  # fmt: skip
+    """A swap-mode config: one [[models]] entry per name, each a directory of its own (`kinds`: name -> kind).
+    (path, router port, exporter port)."""
     port, exporter = free_port(), free_port()
     lines = ['profile = "none"', "[engine]", f"python = {toml_value(engine_python)}", 'host = "127.0.0.1"', f"port = {port}",
              "shutdown_timeout = 5", "startup_timeout = 60"]  # fmt: skip
@@ -58,12 +60,14 @@ def swap_config(tmp: Path, engine_python: str, runtime_dir: Path, *, models=("al
         (model / "config.json").write_text("{}")
         lines += ["[[models]]", f"name = {toml_value(name)}", f"model = {toml_value(str(model))}",
                   f"extra_args = {toml_value(['--fake-token-delay', str(TOKEN_DELAY)])}"]  # fmt: skip
+        if (kinds or {}).get(name):
+            lines.append(f"kind = {toml_value(kinds[name])}")
     sections = {
         "swap": {"min_residency": 0.0, "drain_timeout": 1.0, "queue_timeout": 60.0, "engine_port_base": _port_block(len(models)),
                  "host_memory_budget_mib": 65536, **(swap or {})},  # this host's own budget may not hold a 15 GiB engine
         "gpu": {"required": gpu, "card": "any"},
         "watchdog": {"poll_interval": 0.2, "health_timeout": 1.0, "metrics_timeout": 1.0, "probe_idle_seconds": 600, "stall_seconds": 30.0,
-                     "min_uptime": 0.0, "lb_grace": 0.5},
+                     "min_uptime": 0.0, "lb_grace": 0.5, **(watchdog or {})},
         "suspend": {"verify_timeout": 30.0, "lock_timeout": 2.0},
         "alerts.syslog": {"enabled": False},
         "daemon": {"state_dir": str(tmp / "state"), "runtime_dir": str(runtime_dir), "exporter_enabled": True, "exporter_port": exporter},
@@ -296,3 +300,18 @@ def _log_time(line: str) -> float:
 
 def _wall(monotonic_t: float) -> float:
     return time.time() - (time.monotonic() - monotonic_t)
+
+
+def test_an_embedding_model_is_probed_with_embeddings_and_served_through_the_router(swap_rig):
+    r = swap_rig(gpu=False, kinds={"search": "embed"}, models=("alpha", "search"), watchdog={"probe_idle_seconds": 1.0})
+    out = httpx.post(r.url + "/v1/embeddings", json={"model": "search", "input": ["a", "b"]}, timeout=BOUND, trust_env=False)
+    assert out.status_code == 200, out.text
+    assert [d["index"] for d in out.json()["data"]] == [0, 1]
+    st = r.wait_model("search", "ready")
+    port = r.model(st, "search")["port"]
+    # The liveness probe of an embedding engine is a 1-input embedding request, never a completion.
+    r.proc.wait_for(lambda st: r.model(st, "search")["inference"]["ok"] is True, BOUND, "a passing probe of the embedding engine")
+    log = httpx.get(f"http://127.0.0.1:{port}/fake/requests", timeout=5.0, trust_env=False).json()["requests"]
+    paths = {e["path"] for e in log if e["method"] == "POST"}
+    assert "/v1/embeddings" in paths and "/v1/completions" not in paths, paths
+    assert r.model(st, "search")["canary"]["enabled"] is False
