@@ -23,6 +23,7 @@ from r3090d.cli import (
     setup_cmd,  # noqa: F401  (registers `setup` and `example`)
     status_cmd,  # noqa: F401  (registers `status`)
     suspend_cmd,  # noqa: F401  (registers `suspend` and `resume`)
+    swap_cmd,  # noqa: F401  (registers `swap`)
 )
 from r3090d.cli.common import ctl, finish, guard_stdout, run_click
 from r3090d.cli.daemon_cmd import daemon

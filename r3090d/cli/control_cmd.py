@@ -3,6 +3,9 @@
 These talk to r3090d, not to systemd: a restart is the daemon's own (drained by
 default, with the load-balancer grace), so its history, alerts and backoff stay
 right. Exit 0 when the daemon accepted, 1 when it refused or cannot be reached.
+
+In swap mode (several models, one engine each) `restart --model NAME` restarts
+that model's engine, and --wait follows that engine.
 """
 
 from __future__ import annotations
@@ -12,7 +15,15 @@ import time
 import click
 
 from r3090d import exitcodes
-from r3090d.cli.common import UsageExit, config_option, ctl, emit_json, instance_option, load_config
+from r3090d.cli.common import (
+    CommandError,
+    UsageExit,
+    config_option,
+    ctl,
+    emit_json,
+    instance_option,
+    load_config,
+)
 from r3090d.config import ConfigError
 from r3090d.core.vocabulary import Phase
 from r3090d.service import control_client, control_protocol, statusview
@@ -38,6 +49,34 @@ class _Failed(click.ClickException):
         click.echo(f"r3090ctl: {self.message}", err=True)
 
 
+# swap mode: which model's engine a command acts on
+model_option = click.option("--model", "model", metavar="NAME", help="swap mode: the model (its served name) whose engine this acts on")
+
+
+def checked_model(cfg, model: str | None, command: str) -> str | None:
+    """The --model given, once it can be sent: a well-formed name, and a config with [[models]]; else exit 64."""
+    if model is None:
+        return None
+    if not control_protocol.is_model_name(model):
+        raise UsageExit(f"--model {model[:40]!r} is not a served model name (1 to {control_protocol.MAX_MODEL_NAME} printable characters)")
+    if not cfg.swap_mode:
+        raise CommandError(f"--model needs swap mode: {cfg.source} has no [[models]], so r3090d serves one engine; drop --model",
+                           exitcodes.USAGE, f"r3090ctl {command}")  # fmt: skip
+    return model
+
+
+def with_model(payload: dict, model: str | None) -> dict:
+    return {**payload, "model": model} if model is not None else payload
+
+
+def engine_of(doc: StateDocument, model: str | None) -> StateDocument | None:
+    """The document as one engine's: the whole one, or in swap mode the named model's (None: no such model in it)."""
+    if model is None:
+        return doc
+    found = doc.model(model)
+    return doc.for_model(found) if found is not None else None
+
+
 def report(reply: dict, as_json: bool) -> int:
     if as_json:
         emit_json(reply)
@@ -56,16 +95,19 @@ def report(reply: dict, as_json: bool) -> int:
 @click.option("--wait", is_flag=True, help="show progress until the new engine is ready")
 @click.option("--timeout", type=click.FloatRange(min=1), metavar="SECONDS", help="with --wait: give up waiting after this long (default: from the config)")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@model_option
 @config_option
 @instance_option
-def restart_command(drain, wait, timeout, as_json, config_path, instance) -> int:
-    """Restart the engine through the daemon (drained by default)."""
+def restart_command(drain, wait, timeout, as_json, model, config_path, instance) -> int:
+    """Restart the engine through the daemon (drained by default); in swap mode, --model NAME's engine."""
     cfg = load_config(config_path, instance, check_files=False)
+    model = checked_model(cfg, model, "restart")
     try:
         before = read_state(cfg)
+        before = engine_of(before, model) if before is not None else None
     except UnreadableFormat:
         before = None  # asked all the same; --wait says why it cannot follow
-    reply = ask(cfg, {"cmd": "restart", "drain": drain})
+    reply = ask(cfg, with_model({"cmd": "restart", "drain": drain}, model))
     if not reply.get("ok") or not wait:
         return report(reply, as_json)
     if not as_json:
@@ -73,7 +115,7 @@ def restart_command(drain, wait, timeout, as_json, config_path, instance) -> int
     if timeout is None:
         e = cfg.engine
         timeout = cfg.watchdog.lb_grace + e.shutdown_timeout + 10 + cfg.watchdog.backoff_max + e.startup_timeout + 30
-    result = wait_ready(cfg, reply.get("generation"), before.engine.pid if before else None, timeout, quiet=as_json)
+    result = wait_ready(cfg, reply.get("generation"), before.engine.pid if before else None, timeout, quiet=as_json, model=model)
     if as_json:
         emit_json({**reply, **result})
     elif result["ok"]:
@@ -96,12 +138,13 @@ def read_state(cfg) -> StateDocument | None:
     return view(_status(cfg))
 
 
-def follow_state(cfg, timeout: float, judge, *, during: str, timed_out, interval: float = 0.25) -> dict:
+def follow_state(cfg, timeout: float, judge, *, during: str, timed_out, interval: float = 0.25, model: str | None = None) -> dict:
     """Read the state document every `interval` s until `judge(doc, elapsed)` answers (a result dict).
 
     The one loop behind every --wait: an unreadable format, a daemon silent for
     LOST_AFTER_S (`during` names what it was in) and the timeout (`timed_out()`
-    says what is still going on) end it with {"ok": False, "error": ...}.
+    says what is still going on) end it with {"ok": False, "error": ...}. With
+    `model` (swap mode), judge gets that model's engine as the document's (engine_of).
     """
     start = last_seen = time.monotonic()
     while True:
@@ -115,7 +158,11 @@ def follow_state(cfg, timeout: float, judge, *, during: str, timed_out, interval
                 return {"ok": False, "error": f"r3090d stopped answering {now - start:.0f} s into {during}"}
         else:
             last_seen = now
-            answer = judge(doc, now - start)
+            engine = engine_of(doc, model)
+            if engine is None:
+                served = ", ".join(m.name for m in doc.models) or "none: it runs one engine"
+                return {"ok": False, "error": f"r3090d serves no model {model!r} (its models: {served})"}
+            answer = judge(engine, now - start)
             if answer is not None:
                 return answer
         if now - start > timeout:
@@ -123,7 +170,7 @@ def follow_state(cfg, timeout: float, judge, *, during: str, timed_out, interval
         time.sleep(interval)
 
 
-def wait_ready(cfg, old_generation, old_pid, timeout: float, *, quiet: bool) -> dict:
+def wait_ready(cfg, old_generation, old_pid, timeout: float, *, quiet: bool, model: str | None = None) -> dict:
     """Follow the phases until a new engine is ready; print each change."""
     last_phase = Phase.READY.value  # what the engine was when the restart was accepted (a given-up start prints its phase)
 
@@ -149,7 +196,7 @@ def wait_ready(cfg, old_generation, old_pid, timeout: float, *, quiet: bool) -> 
             return {"ok": False, "error": "r3090d is shutting down"}
         return None
 
-    return follow_state(cfg, timeout, judge, during="the restart",
+    return follow_state(cfg, timeout, judge, during="the restart", model=model,
                         timed_out=lambda: f"still {last_phase} after {timeout:.0f} s; the restart goes on (r3090ctl status)")  # fmt: skip
 
 

@@ -5,6 +5,10 @@ its pid decide: a live daemon with fresh state is still reported (with a note);
 otherwise the last persisted state is shown and the exit code is 3 (UNKNOWN).
 A document in a format this r3090ctl cannot read (a newer daemon's) is one line
 saying so, and 3 (UNKNOWN) too.
+
+In swap mode the panel has a row per model; `--model NAME` shows one model in
+full (its engine's panel, as single mode shows its one engine) and judges that
+model alone, with the router it is served through and the daemon's alerts.
 """
 
 from __future__ import annotations
@@ -121,26 +125,49 @@ def start_hint(cfg) -> str:
     return f"systemctl start {unit}   (or in a terminal: r3090d --config {cfg.source})"
 
 
-def judge(found: Located, now: float) -> statusview.HealthVerdict:
+def missing_model(found: Located, model: str) -> str | None:
+    """Why --model NAME cannot be shown from this document, or None."""
+    d = found.state
+    if d is None:
+        return None  # not running, starting or unreadable: said as without --model
+    if not d.swap_mode:
+        return f"--model {model!r}: r3090d serves one engine (no [[models]]); r3090ctl status without --model"
+    if d.model(model) is None:
+        return f"r3090d serves no model {model!r}; its models: {', '.join(m.name for m in d.models) or 'none'}"
+    return None
+
+
+def judge(found: Located, now: float, model: str | None = None) -> statusview.HealthVerdict:
     if found.unreadable:
         return statusview.HealthVerdict(exitcodes.UNKNOWN, (found.unreadable,))
+    if model is not None and found.running and found.state is not None:
+        missing = missing_model(found, model)
+        if missing:
+            return statusview.HealthVerdict(exitcodes.UNKNOWN, (missing,))
+        return statusview.model_verdict(found.state, found.state.model(model), now)
     return statusview.verdict_of(found.state, running=found.running, now=now)
 
 
-def render(cfg, found: Located, now: float, as_json: bool) -> int:
-    verdict = judge(found, now)
+def _json(found: Located, verdict: statusview.HealthVerdict, model: str | None) -> dict:
+    out = {
+        "running": found.running,
+        "source": found.source,
+        "note": found.note,
+        "exit_code": verdict.code,
+        "verdict": verdict.label,
+        "reasons": list(verdict.reasons),
+        "state": found.doc,
+    }
+    if model is not None:
+        models = (found.doc or {}).get("models")
+        out["model"] = next((m for m in models if isinstance(m, dict) and m.get("name") == model), None) if isinstance(models, list) else None
+    return out
+
+
+def render(cfg, found: Located, now: float, as_json: bool, model: str | None = None) -> int:
+    verdict = judge(found, now, model)
     if as_json:
-        emit_json(
-            {
-                "running": found.running,
-                "source": found.source,
-                "note": found.note,
-                "exit_code": verdict.code,
-                "verdict": verdict.label,
-                "reasons": list(verdict.reasons),
-                "state": found.doc,
-            }
-        )
+        emit_json(_json(found, verdict, model))
         return verdict.code
     if found.unreadable:
         click.echo(verdict.line())  # one line: the state cannot be shown
@@ -156,7 +183,15 @@ def render(cfg, found: Located, now: float, as_json: bool) -> int:
         click.echo(f"Status     {verdict.line()}")
         return verdict.code
     note = found.note if found.source == "state-file" else None
-    for line in statusview.panel(found.state, verdict, now, note=note):
+    if model is not None:
+        missing = missing_model(found, model)
+        if missing:
+            click.echo(verdict.line())  # one line: there is no such panel
+            return verdict.code
+        lines = statusview.model_panel(found.state, found.state.model(model), verdict, now, note=note)
+    else:
+        lines = statusview.panel(found.state, verdict, now, note=note)
+    for line in lines:
         click.echo(line)
     return verdict.code
 
@@ -164,16 +199,17 @@ def render(cfg, found: Located, now: float, as_json: bool) -> int:
 @ctl.command("status", cls=HealthCommand)
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output (with --watch: one JSON document per line)")
 @click.option("--watch", type=click.FloatRange(min=0.2), metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+@click.option("--model", "model", metavar="NAME", help="swap mode: one model in full, and the verdict on it alone")
 @config_option
 @instance_option
-def status_command(as_json, watch, config_path, instance) -> int:
+def status_command(as_json, watch, model, config_path, instance) -> int:
     """The engine's state, KV cache, GPU, restarts and alerts. Exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN."""
     try:
         cfg = load_config(config_path, instance, check_files=False)
     except ConfigError as exc:
         raise CommandError(f"cannot find the daemon: config error: {exc.one_line()}", exitcodes.UNKNOWN, "r3090ctl status") from None
     if not watch:
-        return render(cfg, locate(cfg), time.time(), as_json)
+        return render(cfg, locate(cfg), time.time(), as_json, model)
     code = exitcodes.UNKNOWN
     try:
         while True:
@@ -181,12 +217,12 @@ def status_command(as_json, watch, config_path, instance) -> int:
             if not as_json and sys.stdout.isatty():
                 click.echo("\x1b[H\x1b[2J", nl=False)
             if as_json:
-                verdict = judge(found, time.time())
+                verdict = judge(found, time.time(), model)
                 code = verdict.code
-                line = {"running": found.running, "source": found.source, "exit_code": code, "verdict": verdict.label, "reasons": list(verdict.reasons), "state": found.doc}
+                line = {k: v for k, v in _json(found, verdict, model).items() if k != "note"}
                 click.echo(json.dumps(line, sort_keys=True, default=str))
             else:
-                code = render(cfg, found, time.time(), False)
+                code = render(cfg, found, time.time(), False, model)
                 click.echo(f"(every {watch:g} s, Ctrl-C to stop; {time.strftime('%H:%M:%S')})")
             sys.stdout.flush()
             if reader_gone():  # `status --watch | head`: nobody reads any more

@@ -13,6 +13,10 @@ without process checkpointing. Nothing is done to the engine in any refusal.
 
 `suspend --test` suspends, resumes and sends one completion, then prints each
 step's time and the GPU memory the suspension freed.
+
+In swap mode `suspend --model NAME` and `resume --model NAME` act on that model's
+engine: suspended by the operator, it stays off the GPU (and out of the router's
+table) until resumed, unlike a parked one, which the daemon brings back itself.
 """
 
 from __future__ import annotations
@@ -22,8 +26,17 @@ import time
 import click
 
 from r3090d import exitcodes
-from r3090d.cli.common import config_option, ctl, emit_json, instance_option, load_config
-from r3090d.cli.control_cmd import ask, follow_state, read_state, wait_ready
+from r3090d.cli.common import UsageExit, config_option, ctl, emit_json, instance_option, load_config
+from r3090d.cli.control_cmd import (
+    ask,
+    checked_model,
+    engine_of,
+    follow_state,
+    model_option,
+    read_state,
+    wait_ready,
+    with_model,
+)
 from r3090d.core.suspension import Result
 from r3090d.core.vocabulary import Phase
 from r3090d.service.statedoc import StateDocument, SuspendInfo, UnreadableFormat
@@ -35,22 +48,25 @@ CODES = {Result.SUSPENDED: exitcodes.OK, Result.RESUMED: exitcodes.OK, Result.ST
          Result.UNAVAILABLE: EXIT_UNAVAILABLE}  # fmt: skip
 
 
-def _before(cfg) -> StateDocument | None:
-    """The state a request starts from, for --wait; None when unknown (then --wait says why it cannot follow)."""
+def _before(cfg, model: str | None = None) -> StateDocument | None:
+    """The state a request starts from (in swap mode the model's engine's), for --wait; None when unknown
+    (then --wait says why it cannot follow). The daemon's pid is the whole document's either way."""
     try:
-        return read_state(cfg)
+        doc = read_state(cfg)
     except UnreadableFormat:
         return None
+    return engine_of(doc, model) if doc is not None else None
 
 
-def _code(reply: dict) -> int:
+def reply_code(reply: dict) -> int:
+    """0 accepted; 69 a refusal no retry changes ("unavailable"); 1 any other refusal."""
     if reply.get("ok"):
         return exitcodes.OK
     return EXIT_UNAVAILABLE if reply.get("unavailable") else exitcodes.WARNING
 
 
-def _show(reply: dict, as_json: bool) -> int:
-    code = _code(reply)
+def show_reply(reply: dict, as_json: bool) -> int:
+    code = reply_code(reply)
     if as_json:
         emit_json({**reply, "exit_code": code})
     elif reply.get("ok"):
@@ -60,7 +76,7 @@ def _show(reply: dict, as_json: bool) -> int:
     return code
 
 
-def follow(cfg, request: int, daemon_pid, timeout: float, *, quiet: bool) -> dict:
+def follow(cfg, request: int, daemon_pid, timeout: float, *, quiet: bool, model: str | None = None) -> dict:
     """Print each phase (and stage) until the request's result is in the state document; return that result."""
     shown = None
 
@@ -81,7 +97,7 @@ def follow(cfg, request: int, daemon_pid, timeout: float, *, quiet: bool) -> dic
         return {"ok": CODES.get(last.result) == exitcodes.OK, "result": last.result.value, "detail": last.detail,
                 "after_s": round(elapsed, 2), "doc": doc}  # fmt: skip
 
-    return follow_state(cfg, timeout, judge, during="the wait", interval=POLL_S,
+    return follow_state(cfg, timeout, judge, during="the wait", interval=POLL_S, model=model,
                         timed_out=lambda: f"no result after {timeout:.0f} s; the operation goes on (r3090ctl status)")  # fmt: skip
 
 
@@ -97,16 +113,16 @@ def _finish(reply: dict, result: dict, as_json: bool) -> int:
     return code
 
 
-def _send(cfg, cmd: str, *, wait: bool, as_json: bool, limit: float) -> tuple[dict, dict | None, StateDocument | None]:
-    """Send `cmd`; with --wait and once accepted, follow it to its result (None: nothing to follow).
-    Also returns the state before the request."""
-    before = _before(cfg)
-    reply = ask(cfg, {"cmd": cmd})
+def _send(cfg, cmd: str, *, wait: bool, as_json: bool, limit: float, model: str | None = None) -> tuple[dict, dict | None, StateDocument | None]:
+    """Send `cmd` (for `model`'s engine in swap mode); with --wait and once accepted, follow it to its result
+    (None: nothing to follow). Also returns the state before the request."""
+    before = _before(cfg, model)
+    reply = ask(cfg, with_model({"cmd": cmd}, model))
     if not reply.get("ok") or not wait:
         return reply, None, before
     if not as_json:
         click.echo(reply.get("message") or "accepted")
-    return reply, follow(cfg, reply["request"], before.daemon.pid if before else None, limit, quiet=as_json), before
+    return reply, follow(cfg, reply["request"], before.daemon.pid if before else None, limit, quiet=as_json, model=model), before
 
 
 def _suspend_timeout(cfg) -> float:
@@ -122,35 +138,42 @@ def _resume_timeout(cfg) -> float:
 @click.option("--test", "test", is_flag=True, help="suspend, resume and send one completion; print step times and the VRAM freed")
 @click.option("--timeout", type=click.FloatRange(min=1), metavar="SECONDS", help="with --wait: give up waiting after this long")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@model_option
 @config_option
 @instance_option
-def suspend_command(wait, test, timeout, as_json, config_path, instance) -> int:
+def suspend_command(wait, test, timeout, as_json, model, config_path, instance) -> int:
     """Lend the GPU: drain the engine, then checkpoint it (its GPU memory moves into its host memory)."""
     if test:
+        if model is not None:
+            raise UsageExit("--test suspends the one engine of single mode: drop --model")
         return _self_test(load_config(config_path, instance), timeout, as_json)
     cfg = load_config(config_path, instance, check_files=False)
-    reply, result, _ = _send(cfg, "suspend", wait=wait, as_json=as_json, limit=timeout or _suspend_timeout(cfg))
-    return _show(reply, as_json) if result is None else _finish(reply, result, as_json)
+    model = checked_model(cfg, model, "suspend")
+    reply, result, _ = _send(cfg, "suspend", wait=wait, as_json=as_json, limit=timeout or _suspend_timeout(cfg), model=model)
+    return show_reply(reply, as_json) if result is None else _finish(reply, result, as_json)
 
 
 @ctl.command("resume")
 @click.option("--wait", is_flag=True, help="show progress until the engine serves again")
 @click.option("--timeout", type=click.FloatRange(min=1), metavar="SECONDS", help="with --wait: give up waiting after this long")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@model_option
 @config_option
 @instance_option
-def resume_command(wait, timeout, as_json, config_path, instance) -> int:
+def resume_command(wait, timeout, as_json, model, config_path, instance) -> int:
     """Take the GPU back: check it has room, restore the engine, and serve once /health and a probe pass."""
     cfg = load_config(config_path, instance, check_files=False)
+    model = checked_model(cfg, model, "resume")
     limit = timeout or _resume_timeout(cfg)
     started = time.monotonic()
-    reply, result, before = _send(cfg, "resume", wait=wait, as_json=as_json, limit=limit)
+    reply, result, before = _send(cfg, "resume", wait=wait, as_json=as_json, limit=limit, model=model)
     if result is None:
-        return _show(reply, as_json)
+        return show_reply(reply, as_json)
     if result.get("result") == Result.STARTED_COLD.value:
         # No engine was left to restore: a new one loads, as after a restart.
         left = max(1.0, limit + cfg.engine.startup_timeout - (time.monotonic() - started))
-        ready = wait_ready(cfg, before.engine.generation if before else None, before.engine.pid if before else None, left, quiet=as_json)
+        ready = wait_ready(cfg, before.engine.generation if before else None, before.engine.pid if before else None, left, quiet=as_json,
+                           model=model)  # fmt: skip
         result = {**result, "ok": ready["ok"], "detail": ready.get("message") or ready.get("error", "")}
         if not ready["ok"]:
             result["result"] = Result.FAILED.value
@@ -198,16 +221,16 @@ def _self_test(cfg, timeout: float | None, as_json: bool) -> int:
     try:
         before = read_state(cfg)
     except UnreadableFormat as exc:
-        return _show({"ok": False, "error": str(exc)}, as_json)
+        return show_reply({"ok": False, "error": str(exc)}, as_json)
     if before is None or before.engine.phase is not Phase.READY:
         phase = before.engine.phase_name if before is not None else "unreachable"
-        return _show({"ok": False, "error": f"the engine is {phase}: --test needs a ready engine"}, as_json)
+        return show_reply({"ok": False, "error": f"the engine is {phase}: --test needs a ready engine"}, as_json)
     daemon_pid = before.daemon.pid
     used_before = before.gpu.memory_used if before.gpu is not None else None
     report: dict = {"ok": False}
     reply = ask(cfg, {"cmd": "suspend"})
     if not reply.get("ok"):
-        return _show(reply, as_json)
+        return show_reply(reply, as_json)
     sus = follow(cfg, reply["request"], daemon_pid, timeout or _suspend_timeout(cfg), quiet=True)
     if sus.get("result") != Result.SUSPENDED.value:
         return _finish(reply, sus, as_json)
@@ -219,7 +242,7 @@ def _self_test(cfg, timeout: float | None, as_json: bool) -> int:
                   vram_freed_bytes=used_before - used_during if used_before is not None and used_during is not None else None)  # fmt: skip
     reply = ask(cfg, {"cmd": "resume"})
     if not reply.get("ok"):
-        return _show(reply, as_json)
+        return show_reply(reply, as_json)
     res = follow(cfg, reply["request"], daemon_pid, timeout or _resume_timeout(cfg), quiet=True)
     report.update(resume_s=res.get("after_s"), resume_steps=_steps(res.get("doc")), resume_result=res.get("result"))
     if res.get("result") != Result.RESUMED.value:

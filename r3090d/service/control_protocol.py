@@ -16,17 +16,29 @@ import math
 import re
 from pathlib import Path
 
+from r3090d.config.schema import MAX_MODEL_NAME
+
 SOCKET_NAME = "control.sock"
 RUNTIME_DIR_KEY = "daemon.runtime_dir"
 LOOP_TIMEOUT_S = 10.0  # the loop's answer to a command
 RELOAD_TIMEOUT_S = 45.0  # reload asks the engine's python for its vLLM version (up to 30 s)
 MAX_SILENCE_S = 30 * 86400
 ALERT_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+# A served model's name, as [[models]] name has it: printable, one line. Whether the daemon serves it is the daemon's answer.
+MODEL_NAME = re.compile(rf"[^\x00-\x1f\x7f]{{1,{MAX_MODEL_NAME}}}")
+
+
+def is_model_name(value) -> bool:
+    return isinstance(value, str) and MODEL_NAME.fullmatch(value) is not None
+
+
+# Swap mode: the model whose engine a command acts on (its served name). Single mode has one engine and takes none.
+MODEL_FIELD = (False, is_model_name, f"a served model name (1 to {MAX_MODEL_NAME} printable characters)")
 
 COMMANDS = {
     # cmd -> {field: (required, checker, what it must be)}
     "status": {},
-    "restart": {"drain": (False, lambda v: isinstance(v, bool), "true or false")},
+    "restart": {"drain": (False, lambda v: isinstance(v, bool), "true or false"), "model": MODEL_FIELD},
     "maintenance": {"on": (True, lambda v: isinstance(v, bool), "true or false")},
     "silence": {
         "alert": (True, lambda v: isinstance(v, str) and ALERT_KEY.fullmatch(v) is not None, "an alert name (letters, digits, _ . : -; at most 64)"),
@@ -38,8 +50,10 @@ COMMANDS = {
     },
     "reload": {},
     # Answered at once ("accepted" and a request number); the work runs over many ticks.
-    "suspend": {},
-    "resume": {},
+    "suspend": {"model": MODEL_FIELD},
+    "resume": {"model": MODEL_FIELD},
+    # Swap mode: bring this model onto the GPU now, making room as the arbiter would. Answered at once.
+    "swap": {"model": (True, *MODEL_FIELD[1:])},
 }
 
 

@@ -10,19 +10,37 @@ Exit codes follow the monitoring-plugin scheme (r3090d.exitcodes):
               its state is in a format this r3090ctl cannot read
 A silenced alert is shown but does not raise the exit code: silencing is how an
 operator acknowledges it.
+
+In swap mode (several models behind the router) the verdict is the card's:
+CRITICAL when a model has failed or given up, or the router is down; WARNING
+when a model restarts, backs off, waits for GPU memory or is suspended by the
+operator, when the router has lost its link, or when the last swap failed. A
+parked or cold model is the arbiter's choice, not an outage: it is OK, as are
+the starting, parking and resuming of a swap.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from dataclasses import dataclass, field
 
 from r3090d import exitcodes
-from r3090d.core.snapshot import GpuSample, GpuStatus
+from r3090d.core.arbiter import Residency
+from r3090d.core.snapshot import GpuSample, GpuStatus, MetricsSample
 from r3090d.core.suspension import Stage
-from r3090d.core.vocabulary import Phase, Severity
-from r3090d.service.statedoc import CanaryInfo, StateDocument, SuspendInfo, parse_section, view
+from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, Severity
+from r3090d.service.statedoc import (
+    CanaryInfo,
+    ModelDoc,
+    StateDocument,
+    SuspendInfo,
+    SwapInfo,
+    SwapRecord,
+    parse_section,
+    view,
+)
 from r3090d.units import GIB, MIB
 
 LABELS = {exitcodes.OK: "OK", exitcodes.WARNING: "WARNING", exitcodes.CRITICAL: "CRITICAL", exitcodes.UNKNOWN: "UNKNOWN"}
@@ -54,6 +72,11 @@ def verdict_of(doc: StateDocument | dict | None, *, running: bool, now: float) -
         return HealthVerdict(exitcodes.WARNING, ("r3090d is starting (no state yet)",))
     if d.waiting is not None and d.waiting.what:
         return HealthVerdict(exitcodes.WARNING, (f"r3090d is waiting for preflight before starting the engine: {d.waiting.what}",))
+    if d.swap_mode:
+        crit, warn = _router_findings(d.swap or SwapInfo())
+        for m in d.models:
+            _model_findings(m, crit, warn)
+        return _verdict(d, crit, warn, now, "models: " + (", ".join(f"{m.name} {m.residency_name}" for m in d.models) or "none"))
     engine = d.engine
     crit: list[str] = []
     warn: list[str] = []
@@ -72,7 +95,19 @@ def verdict_of(doc: StateDocument | dict | None, *, running: bool, now: float) -
         warn.append(f"engine {engine.phase}" + (f" ({reason})" if reason and engine.phase in RESTART_PHASES else ""))
     elif engine.phase is not Phase.READY:
         crit.append(f"engine in an unknown phase {engine.phase_name!r}")
-    if engine.maintenance:
+    return _verdict(d, crit, warn, now, "engine ready")
+
+
+def model_verdict(doc: StateDocument, model: ModelDoc, now: float) -> HealthVerdict:
+    """The verdict on one model of swap mode: its own engine, the router it is served through, the daemon's alerts."""
+    crit, warn = _router_findings(doc.swap or SwapInfo())
+    _model_findings(model, crit, warn)
+    return _verdict(doc, crit, warn, now, f"model {model.name} {model.residency_name}")
+
+
+def _verdict(d: StateDocument, crit: list[str], warn: list[str], now: float, ok: str) -> HealthVerdict:
+    """The findings with maintenance and the alerts that fire (unless silenced) added, as a verdict."""
+    if d.engine.maintenance:
         warn.append("maintenance mode")
     muted = d.alerts.active_silences(now)
     for key, alert in sorted(d.alerts.firing.items()):
@@ -83,7 +118,49 @@ def verdict_of(doc: StateDocument | dict | None, *, running: bool, now: float) -
         return HealthVerdict(exitcodes.CRITICAL, tuple(crit + warn))
     if warn:
         return HealthVerdict(exitcodes.WARNING, tuple(warn))
-    return HealthVerdict(exitcodes.OK, ("engine ready",))
+    return HealthVerdict(exitcodes.OK, (ok,))
+
+
+def _router_findings(swap: SwapInfo) -> tuple[list[str], list[str]]:
+    """(critical, warning) findings on the router and the last swap."""
+    crit: list[str] = []
+    warn: list[str] = []
+    router = swap.router
+    if not router.up:
+        crit.append("the router is down: nothing is served on the public port" + (f" ({router.restarts} restarts)" if router.restarts else ""))
+    elif not router.linked:
+        warn.append("the router has lost its link to the daemon: it routes by an old table")
+    last = swap.last
+    if last is not None and not last.ok:
+        warn.append(f"the last swap failed ({swap_route(last)}): {last.error or 'no reason given'}")
+    return crit, warn
+
+
+def _model_findings(m: ModelDoc, crit: list[str], warn: list[str]) -> None:
+    """One model's findings: what single mode says of its engine, but parked and cold are no outage."""
+    phase, name = m.engine.phase, m.name
+    if phase is Phase.GIVEN_UP:
+        crit.append(f"model {name} gave up: {m.give_up_reason or 'too many restarts'}")
+    elif phase is Phase.RESET_NEEDED:
+        crit.append(f"the GPU needs a reset: {m.healing.reset_hold or 'unknown reason'}; then r3090ctl restart --model {name}")
+    elif m.residency is Residency.FAILED:
+        crit.append(f"model {name} failed" + (f": {m.give_up_reason}" if m.give_up_reason else ""))
+    elif m.residency is None:
+        crit.append(f"model {name} in an unknown state {m.residency_name!r}")
+    elif phase is Phase.WAITING_FOR_GPU:
+        who = ", ".join(h.text() for h in m.healing.gpu_wait_holders) or "others"
+        warn.append(f"model {name} waiting for GPU memory held by {who}")
+    elif phase in RESTART_PHASES and m.residency not in (Residency.PARKING, Residency.STOPPING):
+        reason = m.restarts.last_reason
+        warn.append(f"model {name} {phase}" + (f" ({reason})" if reason else ""))
+    elif phase in SUSPEND_PHASES and m.suspended_by_operator:
+        warn.append(f"model {name} {phase} by the operator")
+    elif phase is Phase.SHUTTING_DOWN:
+        crit.append(f"model {name} {phase}")
+    elif phase is None:
+        crit.append(f"model {name} in an unknown phase {m.engine.phase_name!r}")
+    if m.engine.maintenance:
+        warn.append(f"model {name} in maintenance mode")
 
 
 # ------------------------------------------------------------------ formatting
@@ -121,21 +198,42 @@ def _num(v, fmt="{:.0f}") -> str:
 
 
 def panel(doc: StateDocument | dict, verdict: HealthVerdict, now: float, *, note: str | None = None) -> list[str]:
-    """The status panel as lines."""
+    """The status panel as lines: one engine's, or in swap mode a row per model."""
     d = view(doc) or StateDocument()
-    daemon, engine, metrics, restarts, alerts = d.daemon, d.engine, d.metrics, d.restarts, d.alerts
-    lines = []
+    if d.swap_mode:
+        return swap_panel(d, verdict, now, note=note)
+    return _engine_panel(d, verdict, now, note=note)
+
+
+def model_panel(doc: StateDocument, model: ModelDoc, verdict: HealthVerdict, now: float, *, note: str | None = None) -> list[str]:
+    """One model of swap mode in full: the panel of one engine, with where the model is and how it is used."""
+    engine = doc.for_model(model)
+    if not model.resident:
+        # What its /metrics said before it left the GPU is no reading of now.
+        engine = dataclasses.replace(engine, metrics=MetricsSample(error=f"{model.residency_name}: not on the GPU"))
+    return _engine_panel(engine, verdict, now, note=note, served=_served_lines(doc, model, now))
+
+
+def _header(d: StateDocument, now: float, note: str | None) -> list[str]:
+    daemon = d.daemon
     name = "r3090d" + (f"@{daemon.instance}" if daemon.instance is not None else "")
-    lines.append(
+    lines = [
         f"{name} {daemon.version or '?'} on {daemon.host or '?'}: pid {'?' if daemon.pid is None else daemon.pid}, "
         f"up {ago(now - daemon.started_at) if daemon.started_at else '-'}, config {daemon.config or '-'}"
-    )
+    ]
     if note:
         lines.append(f"  ({note})")
+    return lines
+
+
+def _engine_panel(d: StateDocument, verdict: HealthVerdict, now: float, *, note: str | None, served: list[str] | None = None) -> list[str]:
+    engine, metrics, restarts = d.engine, d.metrics, d.restarts
+    lines = _header(d, now, note)
     state = engine.phase_name + (" (maintenance)" if engine.maintenance else "")
     where = f"pid {engine.pid}" if engine.pid else "no process"
     lines.append(f"Engine     {state} for {ago(now - engine.since) if engine.since else '-'}, {where}")
     lines.append(f"Model      {engine.model or '-'} at {engine.url or '-'}")
+    lines.extend(served or [])
     if d.next_action:
         lines.append(f"Next       {d.next_action}")
     lines.extend(suspend_lines(d.suspend, now))
@@ -178,6 +276,12 @@ def panel(doc: StateDocument | dict, verdict: HealthVerdict, now: float, *, note
         # restart_storm's count, which a restart of the daemon does not reset: it can hold restarts the line above does not.
         window = d.thresholds.restart_storm_window_s
         lines.append(f"Recent     {restarts.recent} unrequested restarts within {ago(window) if window else 'the storm window'}, earlier daemons' included")
+    return lines + _alert_lines(d, verdict, now)
+
+
+def _alert_lines(d: StateDocument, verdict: HealthVerdict, now: float) -> list[str]:
+    """The panel's foot: alerts, silences, the verdict."""
+    alerts, lines = d.alerts, []
     muted = alerts.active_silences(now)
     if alerts.firing:
         for key, a in sorted(alerts.firing.items()):
@@ -188,6 +292,126 @@ def panel(doc: StateDocument | dict, verdict: HealthVerdict, now: float, *, note
     for key, until in sorted(muted.items()):
         lines.append(f"Silenced   {key} until {clock(until)} ({ago(until - now)} left)")
     lines.append(f"Status     {verdict.line()}")
+    return lines
+
+
+# ------------------------------------------------------------------ swap mode
+
+MODEL_COLUMNS = ("MODEL", "KIND", "STATE", "PHASE", "LAST USED", "HOST RAM", "SWAPS IN", "RESTARTS", "CANARY")
+
+
+def swap_panel(d: StateDocument, verdict: HealthVerdict, now: float, *, note: str | None = None) -> list[str]:
+    """Swap mode's panel: a row per model, the swaps, the router, host memory for parked engines, the card."""
+    swap = d.swap or SwapInfo()
+    lines = _header(d, now, note)
+    resident = sum(1 for m in d.models if m.resident)
+    lines.append(f"Models     {len(d.models)}, {resident} on the GPU (at most {swap.max_resident}); r3090ctl status --model NAME shows one in full")
+    rows = [MODEL_COLUMNS] + [model_row(m, now) for m in d.models]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(MODEL_COLUMNS))]
+    lines.extend(("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))).rstrip() for row in rows)
+    lines.extend(swap_lines(swap, now))
+    lines.append(router_line(swap))
+    lines.append(host_memory_line(swap))
+    if d.engine.maintenance:
+        lines.append("Maintenance on: automatic restarts are paused")
+    heal = d.healing
+    if heal.reset_hold:
+        lines.append(f"GPU reset  needed since {clock(heal.reset_hold_since)}: {heal.reset_hold}")
+    for m in d.models:
+        if m.give_up_reason:
+            lines.append(f"Gave up    {m.name}: {m.give_up_reason}")
+        elif m.engine.phase is Phase.WAITING_FOR_GPU and m.healing.gpu_wait_holders:
+            who = ", ".join(h.text() for h in m.healing.gpu_wait_holders)
+            lines.append(f"GPU held   {m.name} waits for {_mib(m.healing.gpu_wait_need_bytes)}, held by {who}")
+    lines.append("GPU        " + gpu_line(d.gpu))
+    return lines + _alert_lines(d, verdict, now)
+
+
+def model_row(m: ModelDoc, now: float) -> tuple[str, ...]:
+    """A model's row: name, kind, state, phase, last used, host RAM held, swaps in, restarts, the canary's last verdict."""
+    c = m.canary
+    canary = (c.last_verdict or "-") if c.enabled else "off"
+    return (
+        m.name,
+        m.kind.value if m.kind is not None else "?",
+        m.residency_name + (" (suspended)" if m.suspended_by_operator else ""),
+        m.engine.phase_name,
+        f"{ago(now - m.last_used)} ago" if m.last_used is not None else "never",
+        _gib(m.host_bytes) if m.host_bytes else "-",
+        str(m.swaps_in),
+        str(m.restarts.total),
+        canary,
+    )
+
+
+def swap_route(r: SwapRecord) -> str:
+    return f"{r.from_model or '(none)'} -> {r.to_model or '?'}"
+
+
+def swap_lines(swap: SwapInfo, now: float) -> list[str]:
+    """The swap under way, and the last one with where its time went."""
+    lines = []
+    p = swap.in_progress
+    if p is not None:
+        since = f" for {ago(now - p.since)}" if p.since is not None else ""
+        lines.append(f"Swapping   {p.from_model or '(none)'} -> {p.to_model or '?'}: {p.stage or 'under way'}{since}")
+    last = swap.last
+    counts = f"{swap.total} swap(s), {swap.failed} failed"
+    if last is None:
+        lines.append(f"Last swap  none yet ({counts})")
+        return lines
+    how = "cold start" if last.cold else "resumed"
+    took = f" in {last.seconds:.1f} s" if last.seconds is not None else ""
+    steps = swap_steps(last)
+    when = f", {ago(now - last.at)} ago" if last.at is not None else ""
+    outcome = "" if last.ok else f" FAILED: {last.error or 'no reason given'}"
+    lines.append(f"Last swap  {swap_route(last)} ({how}){took}{when}{outcome}")
+    detail = [s for s in (steps, f"{last.frozen_requests} request(s) frozen with the outgoing engine" if last.frozen_requests else "") if s]
+    if detail:
+        lines.append("           " + "; ".join(detail))
+    lines.append(f"Swaps      {counts}")
+    return lines
+
+
+def swap_steps(r: SwapRecord) -> str:
+    """Where a swap's time went: "drain 0.1 s, checkpoint 6.3 s, restore 2.5 s, canary 0.4 s, routing 0.0 s"."""
+    return ", ".join(
+        f"{label} {value:.1f} s"
+        for label, value in (
+            ("drain", r.drain_s), ("checkpoint", r.checkpoint_s), ("stop", r.stop_s), ("restore", r.restore_s),
+            ("start", r.start_s), ("canary", r.canary_s), ("routing", r.routing_s),
+        )
+        if value is not None
+    )  # fmt: skip
+
+
+def router_line(swap: SwapInfo) -> str:
+    r = swap.router
+    where = f" on {r.address}" if r.address else ""
+    pid = f" (pid {r.pid})" if r.pid else ""
+    state = ("up" + pid + where + (", linked" if r.linked else ", NOT linked to the daemon")) if r.up else "DOWN"
+    last = f", last {clock(r.last_restart_at)}" if r.restarts and r.last_restart_at is not None else ""
+    return f"Router     {state}; {r.restarts} restart(s){last}; a request waits up to {swap.queue_timeout:g} s for its model"
+
+
+def host_memory_line(swap: SwapInfo) -> str:
+    budget = _gib(swap.host_budget_bytes) if swap.host_budget_bytes is not None else "? GiB"
+    return f"Host RAM   {_gib(swap.host_parked_bytes)} of {budget} held by parked engines"
+
+
+def _served_lines(d: StateDocument, m: ModelDoc, now: float) -> list[str]:
+    """The lines a model's own panel adds to its engine's: where it is, how it is used, and the router it is served through."""
+    kind = m.kind.value if m.kind is not None else "?"
+    used = f"last used {ago(now - m.last_used)} ago" if m.last_used is not None else "never used"
+    held = f"; holds {_gib(m.host_bytes)} of host memory parked" if m.host_bytes else ""
+    lines = [
+        f"Served as  {m.name} ({kind}) on port {m.port if m.port is not None else '?'}: {m.residency_name}; {used}; "
+        f"swapped in {m.swaps_in}, out {m.swaps_out}{held}",
+    ]
+    if m.waiting or m.inflight or m.frozen:
+        lines.append(f"Requests   {m.waiting} waiting at the router, {m.inflight} in flight, {m.frozen} frozen with the engine")
+    swap = d.swap or SwapInfo()
+    lines.append(router_line(swap))
     return lines
 
 
@@ -220,10 +444,11 @@ def suspend_lines(s: SuspendInfo | None, now: float) -> list[str]:
             rss = s.host_rss_bytes
             host = "host memory (not measured)" if rss is None else f"{_gib(rss)} of host memory"
             held = f"the engine holds {host}, {gpu} of GPU memory checkpointed"
-        lines.append(f"Suspended  {since}; {held}")
+        # Parked: swapped out for another model, and brought back when its own is asked for.
+        lines.append(f"{'Parked   ' if s.parked else 'Suspended'}  {since}; {held}")
         if s.frozen_requests:
-            frozen = f"{s.frozen_requests} request(s) frozen with the engine, to finish after resume"
-            lines.append(f"Frozen     {frozen}")
+            back = "when its model's turn comes" if s.parked else "after resume"
+            lines.append(f"Frozen     {s.frozen_requests} request(s) frozen with the engine, to finish {back}")
     if s.stage is not None and s.stage is not Stage.SUSPENDED:
         w = s.worker
         busy = w is not None and w.in_flight and w.step
@@ -239,7 +464,7 @@ def suspend_lines(s: SuspendInfo | None, now: float) -> list[str]:
         result = failed.result.value if failed.result is not None else "ended"
         at = f" {ago(now - failed.at)} ago" if failed.at is not None else ""
         lines.append(f"Last op    {failed.op} (request {failed.request}) {result}{at}: {detail}")
-    if s.how_to_resume:
+    if s.how_to_resume and not s.parked:
         lines.append(f"Resume     {s.how_to_resume}")
     return lines
 
@@ -283,7 +508,9 @@ def not_running_lines(doc: StateDocument | dict | None, pid_note: str, state_pat
     else:
         engine, written = d.engine, d.written_at
         lines.append(f"Last state written {clock(written)} ({ago(now - written) if written else '-'} ago) to {state_path}:")
-        if engine.phase is Phase.GIVEN_UP:
+        if d.swap_mode:
+            lines.append("  models: " + (", ".join(f"{m.name} {m.residency_name}" for m in d.models) or "none"))
+        elif engine.phase is Phase.GIVEN_UP:
             lines.append(f"  gave up at {clock(engine.since)} because {d.give_up_reason or 'of too many restarts'}")
         elif engine.phase is Phase.SHUTTING_DOWN:
             lines.append(f"  stopped on request at {clock(engine.since)} (the engine was drained and stopped)")

@@ -59,6 +59,19 @@ def doc(phase="ready", maintenance=False, health="ok", firing=None, silenced=Non
         ({"cmd": "silence", "alert": "a", "seconds": float("nan")}, "'seconds' must be"),
         ({"cmd": "silence", "alert": "a", "seconds": 31 * 86400}, "'seconds' must be"),
         ({"cmd": "status", "verbose": True}, "it takes none"),
+        # Swap mode: the model a command acts on (whether the daemon serves it is its own answer).
+        ({"cmd": "restart", "drain": True, "model": "chat"}, None),
+        ({"cmd": "suspend", "model": "Qwen/Qwen2.5-7B-Instruct"}, None),
+        ({"cmd": "resume", "model": "x" * 128}, None),
+        ({"cmd": "swap", "model": "coder"}, None),
+        ({"cmd": "swap"}, "swap: missing 'model'"),
+        ({"cmd": "swap", "model": "coder", "wait": True}, "unknown field 'wait'"),
+        ({"cmd": "swap", "model": ""}, "'model' must be a served model name"),
+        ({"cmd": "resume", "model": "x" * 129}, "'model' must be a served model name"),
+        ({"cmd": "suspend", "model": "chat\n{\"cmd\": \"reload\"}"}, "'model' must be a served model name"),
+        ({"cmd": "restart", "model": 7}, "'model' must be a served model name"),
+        ({"cmd": "restart", "model": None}, "'model' must be a served model name"),
+        ({"cmd": "maintenance", "on": True, "model": "chat"}, "unknown field 'model'"),
     ],
 )
 def test_validate(request_, problem):
