@@ -8,11 +8,15 @@ Debian's prometheus package) checks the file and:
   at that evaluation it fires, with its labels and rendered annotations;
 - evaluates the rules over series scraped from a real daemon: a healthy one
   fires nothing; one in maintenance with a leaking KV cache fires the KV alert
-  and, after 4 h, the forgotten-maintenance one, but never "not serving".
+  and, after 4 h, the forgotten-maintenance one, but never "not serving";
+- evaluates them over the exporter's series of swap-mode documents: a model
+  parked for hours (stale canary, stale KV readings, a suspension of the
+  arbiter's) fires nothing and masks nothing; a failed model fires for itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -26,8 +30,14 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from r3090d.core.arbiter import Residency
+from r3090d.core.snapshot import GpuSample, GpuStatus
+from r3090d.core.suspension import Stage
+from r3090d.core.vocabulary import Phase
 from r3090d.service import control_client, exporter
+from r3090d.service.statedoc import CanaryInfo, HealingInfo, SuspendInfo
 from r3090d.units import GIB, MIB
+from tests import swapdocs
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,9 +77,12 @@ def exported_names() -> set[str]:
         "healing": {"reset_hold": "XID 79", "retry_attempts": 1, "next_retry_at": 5.0, "xid_by_class": {"reset": 1}},
         "canary": {"enabled": True, "interval_s": 600.0, "baseline_tokens": 16, "last_match_at": 1.0, "last_ok_at": 1.0, "last_margin": 2.0},
     }
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(exporter.StateCollector(lambda: doc, clock=lambda: 1.0))
-    return {s.name for fam in text_string_to_metric_families(generate_latest(registry).decode()) for s in fam.samples}
+    names = set()
+    for d in (doc, swapdocs.as_json(swapdocs.swap_doc(1.0))):  # single mode's, and swap mode's
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(exporter.StateCollector(lambda d=d: d, clock=lambda: 1.0))
+        names |= {s.name for fam in text_string_to_metric_families(generate_latest(registry).decode()) for s in fam.samples}
+    return names
 
 
 def test_every_metric_in_the_rules_is_exported():
@@ -86,13 +99,17 @@ def test_every_metric_in_the_rules_is_exported():
 
 def _series(exporter_url: str, instance: str) -> list[tuple[str, float]]:
     """The scrape of a live exporter as (series selector, value), with the labels Prometheus would add."""
-    text = httpx.get(exporter_url + "/metrics", timeout=5.0, trust_env=False).text
+    return _selectors(httpx.get(exporter_url + "/metrics", timeout=5.0, trust_env=False).text, instance)
+
+
+def _selectors(text: str, instance: str) -> list[tuple[str, float]]:
+    """An exposition as (series selector, value), with the labels Prometheus would add (an empty label is none)."""
     out = []
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name.endswith("_created"):
                 continue
-            labels = {**s.labels, "job": "r3090d", "instance": instance}
+            labels = {**{k: v for k, v in s.labels.items() if v}, "job": "r3090d", "instance": instance}
             sel = s.name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
             out.append((sel, s.value))
     return out
@@ -180,6 +197,66 @@ def test_rules_fire_on_scrapes_of_a_real_daemon(make_daemon, tmp_path):
         "R3090dRestartLoop": [{"exp_labels": {"job": "r3090d", "instance": "gpu3", "severity": "warning"}}],
     }
     out = _promtool_test(tmp_path, constant + synthetic, expected, "30m")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------ swap mode, from the exporter's own series
+
+
+def _exported(doc: dict, instance: str) -> list[tuple[str, float]]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(exporter.StateCollector(lambda: doc, clock=lambda: doc["written_at"]))
+    return _selectors(generate_latest(registry).decode(), instance)
+
+
+@needs_promtool
+def test_rules_judge_each_served_model_on_its_own(tmp_path):
+    """Five hours into a swap-mode node's life (minute 300 of the evaluation), its series held since minute 0."""
+    now = 300 * 60.0
+    chat, coder, embed = swapdocs.chat(now), swapdocs.coder(now), swapdocs.embed(now)
+    ready_since_start = dataclasses.replace(chat.engine, since=0.0, ready_since=0.0)
+    # swap0: coder parked since minute 0, its canary and KV readings as old; embed given up; the card's memory high.
+    parked_long = dataclasses.replace(
+        coder, suspend=dataclasses.replace(coder.suspend, since=0.0),
+        canary=CanaryInfo(enabled=True, interval_s=600.0, baseline_tokens=16, checks=3, last_verdict="match", last_match_at=0.0, last_ok_at=0.0),
+    )  # fmt: skip
+    given_up = dataclasses.replace(embed, residency=Residency.FAILED, engine=dataclasses.replace(embed.engine, phase=Phase.GIVEN_UP),
+                                   give_up_reason="6 failures in 1800 s", healing=HealingInfo(given_up=True))  # fmt: skip
+    card = GpuSample(GpuStatus.OK, index=0, name="RTX 3090", memory_total=24 * GIB, memory_used=23 * GIB + 512 * MIB)
+    # chat, resident, is short of KV cache with requests queued, and restarted as often as the storm threshold: judged
+    # against the daemon's one threshold, with its served_model kept.
+    busy = dataclasses.replace(chat, engine=ready_since_start, metrics=coder.metrics, restarts=dataclasses.replace(chat.restarts, recent=3))
+    swap0 = swapdocs.swap_doc(now, models=[busy, parked_long, given_up], gpu=card)
+    # swap1: chat suspended by the operator since minute 0 (off the router's table, as a parked one), coder serving.
+    by_operator = dataclasses.replace(
+        chat, residency=Residency.PARKED, engine=dataclasses.replace(chat.engine, phase=Phase.SUSPENDED, ready_since=None),
+        suspend=SuspendInfo(stage=Stage.SUSPENDED, since=0.0, gpu_bytes=15 * GIB, host_rss_bytes=16 * GIB, how_to_resume="r3090ctl resume --model chat"),
+    )  # fmt: skip
+    serving = dataclasses.replace(coder, residency=Residency.READY, suspend=None, engine=chat.engine, metrics=chat.metrics, canary=chat.canary)
+    swap1 = swapdocs.swap_doc(now, models=[by_operator, serving, embed])
+
+    series = []
+    for instance, doc in (("swap0", swap0), ("swap1", swap1)):
+        scraped = _exported(swapdocs.as_json(doc), instance)
+        if instance == "swap0":  # the parked engine's phase is suspended: what must mask no other model
+            assert any(s.startswith("r3090d_engine_state{") and 'served_model="coder"' in s and 'state="suspended"' in s and v == 1 for s, v in scraped)
+        series += [(sel, f"{v:g}+0x300") for sel, v in scraped if not sel.startswith("r3090d_state_written_timestamp_seconds")]
+        series += [(f'up{{job="r3090d",instance="{instance}"}}', "1+0x300"),
+                   (f'r3090d_state_written_timestamp_seconds{{job="r3090d",instance="{instance}"}}', "0+60x300")]  # fmt: skip
+    swap0_labels = {"job": "r3090d", "instance": "swap0"}
+    expected = {
+        # The failed model fires for itself, though another one is parked (its phase suspended).
+        "R3090dEngineNotServing": [{"exp_labels": {**swap0_labels, "served_model": "embed", "severity": "critical"}}],
+        "R3090dEngineGaveUp": [{"exp_labels": {**swap0_labels, "served_model": "embed", "severity": "critical"}}],
+        # A parked model lent the card to nobody: the card's memory is judged.
+        "R3090dGpuMemoryHigh": [{"exp_labels": {**swap0_labels, "severity": "warning"}}],
+        "R3090dKvCacheLow": [{"exp_labels": {**swap0_labels, "served_model": "chat", "severity": "warning"}}],
+        "R3090dRequestsQueued": [{"exp_labels": {**swap0_labels, "served_model": "chat", "severity": "warning"}}],
+        "R3090dRestartLoop": [{"exp_labels": {**swap0_labels, "served_model": "chat", "severity": "warning"}}],
+        # The operator's suspension of a model is one; the arbiter's parking never is (no canary, KV or suspension alert for coder).
+        "R3090dSuspendedLong": [{"exp_labels": {"job": "r3090d", "instance": "swap1", "served_model": "chat", "severity": "info"}}],
+    }
+    out = _promtool_test(tmp_path, series, expected, "300m")
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -341,6 +418,34 @@ CASES = [
         start=41,
         labels=FIRING_JOB,
         annotations={"summary": "the canary on gpu0 has not matched for 31m 0s"},
+    ),
+    AlertCase(
+        "R3090dRouterDown",
+        series=((sel("r3090d_router_up", FIRING), "1 1 0+0x30"),),
+        quiet=((sel("r3090d_router_up", QUIET), "1 1 0 1+0x30"),),  # died and was restarted within the minute
+        start=2,
+        labels=FIRING_JOB,
+        annotations={"summary": "the router on gpu0 is down: no model is served"},
+    ),
+    AlertCase(
+        "R3090dSwapFailing",
+        series=((sel("r3090d_swap_failures_total", FIRING), "0 0 0 1+0x40"),),
+        quiet=((sel("r3090d_swap_failures_total", QUIET), "2+0x40"),),  # failures from before the window
+        start=3,
+        labels=FIRING_JOB,
+        annotations={"summary": "a model swap failed on gpu0 in the last 10 minutes"},
+        resolved=13,  # 10 min after the failure's first sample
+    ),
+    AlertCase(
+        "R3090dSwapFailingRepeatedly",
+        # Failures at minutes 2, 3 and 4: three within 30 minutes until the window passes the first at minute 32.
+        series=((sel("r3090d_swap_failures_total", FIRING), "0 0 1 2 3+0x60"),),
+        # Three failures too, 38 minutes apart from first to last: never three within 30.
+        quiet=((sel("r3090d_swap_failures_total", QUIET), "0 0 1+0x17 2+0x19 3+0x40"),),
+        start=4,
+        labels=FIRING_JOB,
+        annotations={"summary": "model swaps keep failing on gpu0: 3 or more in 30 minutes"},
+        resolved=32,
     ),
     AlertCase(
         "R3090dGpuLost",

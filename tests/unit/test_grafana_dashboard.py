@@ -1,7 +1,9 @@
 """The Grafana dashboard imports cleanly, filters every query by $instance and names metrics the exporter has.
 
 `dashboard_queries()` gives every query with Grafana's variables filled in, for a
-test that runs them against a real Prometheus.
+test that runs them against a real Prometheus (scraping a daemon of single mode:
+the collapsed "Swap mode" row's panels plot series only swap mode has, and are
+left out unless asked for).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from pathlib import Path
 import pytest
 
 from r3090d.config import WatchdogConfig
+from r3090d.core.arbiter import Residency
 from r3090d.core.vocabulary import Phase
 from r3090d.service.exporter import Exporter
+from tests.swapdocs import as_json, swap_doc
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "etc" / "grafana" / "r3090d.json"
 DATASOURCE_UID = "${DS_PROMETHEUS}"
@@ -25,6 +29,9 @@ SUBSTITUTIONS = {"$instance": ".*", "$__rate_interval": "1m"}
 # Metrics the dashboard plots that the exporter does not serve (yet): name -> (type, labels).
 PENDING_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {}
 METRIC_NAME = re.compile(r"\b((?:r3090d|process)_[a-zA-Z0-9_]+)\b")
+SWAP_ROW = "Swap mode"
+# What only swap mode exports: plotted in the swap row alone.
+SWAP_ONLY = re.compile(r"\br3090d_(?:model_|swaps?_|router_|host_memory_)")
 
 
 def load() -> dict:
@@ -48,10 +55,16 @@ def annotations(dashboard: dict | None = None) -> list[dict]:
     return [a for a in (dashboard or load())["annotations"]["list"] if not a.get("builtIn")]
 
 
-def raw_queries(dashboard: dict | None = None) -> list[tuple[str, str]]:
-    """(where, expr) for every panel target and every query annotation."""
+def swap_panels(dashboard: dict | None = None) -> list[dict]:
+    (row,) = [p for p in (dashboard or load())["panels"] if p["type"] == "row" and p["title"] == SWAP_ROW]
+    return row["panels"]
+
+
+def raw_queries(dashboard: dict | None = None, *, swap_mode: bool = True) -> list[tuple[str, str]]:
+    """(where, expr) for every panel target and every query annotation (without the swap row's: swap_mode=False)."""
     dashboard = dashboard or load()
-    out = [(f"panel {p['title']!r} target {t['refId']}", t.get("expr", "")) for p in query_panels(dashboard) for t in p["targets"]]
+    skip = set() if swap_mode else {p["id"] for p in swap_panels(dashboard)}
+    out = [(f"panel {p['title']!r} target {t['refId']}", t.get("expr", "")) for p in query_panels(dashboard) if p["id"] not in skip for t in p["targets"]]
     out += [(f"annotation {a['name']!r}", a.get("expr", "")) for a in annotations(dashboard)]
     return out
 
@@ -62,23 +75,27 @@ def substitute(expr: str) -> str:
     return expr
 
 
-def dashboard_queries() -> list[str]:
-    """Every panel's and annotation's PromQL, with $instance as `.*` and $__rate_interval as 1m."""
-    return [substitute(expr) for _, expr in raw_queries()]
+def dashboard_queries(*, swap_mode: bool = False) -> list[str]:
+    """Every panel's and annotation's PromQL, with $instance as `.*` and $__rate_interval as 1m; the swap row's
+    only with swap_mode (a daemon of single mode exports none of what they plot)."""
+    return [substitute(expr) for _, expr in raw_queries(swap_mode=swap_mode)]
 
 
 SAMPLE_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("", "_sum", "_count")}
 
 
 def exported_names() -> set[str]:
-    """Every sample name the exporter's registry serves, from a state document that fills every family."""
-    doc = {
+    """Every sample name the exporter's registry serves, from state documents that fill every family: single mode's and swap mode's."""
+    single = {
         "written_at": 1000.0,
         "engine": {"phase": Phase.READY.value},
         "telemetry": {"poll_duration_seconds": {"buckets": [[0.1, 1]], "count": 1, "sum": 0.05}},
     }
-    registry = Exporter("127.0.0.1", 0, lambda: doc, clock=lambda: 1000.0).registry  # never started: no socket
-    return {fam.name + suffix for fam in registry.collect() for suffix in SAMPLE_SUFFIXES.get(fam.type, ("",))}
+    names = set()
+    for doc in (single, as_json(swap_doc(1000.0))):
+        registry = Exporter("127.0.0.1", 0, lambda doc=doc: doc, clock=lambda: 1000.0).registry  # never started: no socket
+        names |= {fam.name + suffix for fam in registry.collect() for suffix in SAMPLE_SUFFIXES.get(fam.type, ("",))}
+    return names
 
 
 def test_import_format():
@@ -148,6 +165,36 @@ def test_every_metric_is_exported_or_listed_as_pending():
     unknown = used - exported - set(PENDING_METRICS)
     assert not unknown, f"the exporter has no {sorted(unknown)}: a typo, or add them to PENDING_METRICS"
     assert "r3090d_poll_duration_seconds_bucket" in used and "r3090d_restarts_total" in used
+
+
+def test_swap_mode_has_its_own_collapsed_row_with_every_swap_only_query():
+    d = load()
+    (row,) = [p for p in d["panels"] if p["type"] == "row" and p["title"] == SWAP_ROW]
+    assert row["collapsed"] is True  # single mode shows nothing empty
+    inside = {p["title"] for p in swap_panels(d)}
+    assert inside == {"Model residency", "Swaps per model", "Swap latency", "Host memory of parked engines"}
+    outside = [(where, expr) for where, expr in raw_queries(d, swap_mode=False) if SWAP_ONLY.search(expr)]
+    assert outside == [], "a query of what only swap mode exports, outside the swap row"
+    used = {m.group(1) for _, expr in raw_queries(d) for m in METRIC_NAME.finditer(expr)}
+    assert {"r3090d_swaps_total", "r3090d_swap_failures_total", "r3090d_swap_seconds_bucket", "r3090d_model_state"} <= used
+
+
+def test_swap_latency_is_read_from_the_histogram():
+    (panel,) = [p for p in swap_panels() if p["title"] == "Swap latency"]
+    quantiles = sorted(float(re.match(r"histogram_quantile\(([\d.]+),", t["expr"]).group(1)) for t in panel["targets"])
+    assert quantiles == [0.5, 0.9]
+    assert all("r3090d_swap_seconds_bucket" in t["expr"] and "le)" in t["expr"] for t in panel["targets"])
+
+
+def test_model_residency_maps_every_residency():
+    (panel,) = [p for p in swap_panels() if p["title"] == "Model residency"]
+    (target,) = panel["targets"]
+    (mapping,) = panel["fieldConfig"]["defaults"]["mappings"]
+    texts = {option["text"]: int(value) for value, option in mapping["options"].items()}
+    assert set(texts) == {r.value for r in Residency}, "a residency the timeline cannot name"
+    for text, value in texts.items():
+        assert re.search(rf'state="{re.escape(text)}"\}} == 1\) \* {value}\b', target["expr"]), f"{text} is not mapped to {value}"
+    assert target["expr"].startswith("max by (instance, served_model) (")
 
 
 def test_engine_phase_maps_every_phase():
