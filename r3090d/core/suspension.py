@@ -140,7 +140,8 @@ class Suspension:
         return Phase.RESUMING
 
     def record(self, engine_pid: int | None) -> SuspendRecord:
-        return SuspendRecord(pid=self.target or 0, engine_pid=engine_pid, bytes=self.bytes, since=self.since_wall or 0.0, baseline=self.baseline)
+        return SuspendRecord(pid=self.target or 0, engine_pid=engine_pid, bytes=self.bytes, since=self.since_wall or 0.0, baseline=self.baseline,
+                             parked=self.parked)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -306,7 +307,7 @@ def begin(snap: Snapshot, cfg: Config, now: float, request: int, baseline: Canar
 def from_record(record: SuspendRecord, now: float, since: float) -> Suspension:
     """A daemon started with a suspension on record: no engine of its own, so a cold one."""
     return Suspension(Stage.SUSPENDED, now, 0, target=record.pid, bytes=record.bytes, since=since, since_wall=record.since, cold=True,
-                      baseline=record.baseline)  # fmt: skip
+                      baseline=record.baseline, parked=record.parked)  # fmt: skip
 
 
 def _stay(s: Suspension, actions: tuple[Action, ...] = ()) -> Move:

@@ -237,6 +237,14 @@ class Fleet:
 
     def _arbitrate(self, now: float) -> None:
         self._learn_from_parks()
+        lent = [name for name, u in self.units.items() if u.st.suspension is not None and not u.st.suspension.parked]
+        if lent:
+            # The operator lent the GPU (r3090ctl suspend --model): nothing comes onto it until they resume.
+            why = f"the GPU is lent ({', '.join(lent)} suspended by the operator): no swap until r3090ctl resume --model {lent[0]}"
+            if why != self.plan.why:
+                log.warning("swap: %s", why)
+            self.plan = arbiter.Plan(why=why)
+            return
         views = self.views(now)
         parked = sum(v.parked_cost_mib for v in views if v.residency in arbiter.IN_HOST_MEMORY)
         cfg = ArbiterConfig(self.cfg.swap.max_resident, self.cfg.swap.min_residency, self._host_budget(now, parked))

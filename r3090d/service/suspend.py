@@ -140,7 +140,7 @@ class SuspendService:
         engine_pid = record.engine_pid
         data = {"format": RECORD_FORMAT, "pid": record.pid, "engine_pid": engine_pid, "bytes": record.bytes, "since": record.since,
                 "engine_started": _start_ticks(engine_pid) if engine_pid else None,
-                "baseline": answer_to_json(record.baseline) if record.baseline is not None else None}  # fmt: skip
+                "baseline": answer_to_json(record.baseline) if record.baseline is not None else None, "parked": record.parked}  # fmt: skip
         try:
             write_json_atomic(self.path, data)
         except OSError as exc:
@@ -153,7 +153,7 @@ class SuspendService:
         raw = read_json(self.path)
         try:
             record = SuspendRecord(pid=int(raw["pid"]), engine_pid=raw.get("engine_pid"), bytes=int(raw["bytes"]), since=float(raw["since"]),
-                                   baseline=_baseline(raw.get("baseline")))  # fmt: skip
+                                   baseline=_baseline(raw.get("baseline")), parked=raw.get("parked") is True)  # fmt: skip
             if record.bytes < 0 or record.pid < 0 or not (record.engine_pid is None or isinstance(record.engine_pid, int)):
                 raise ValueError("out of range")
         except (TypeError, KeyError, ValueError):

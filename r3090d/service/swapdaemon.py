@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 
+from r3090d.core.actions import SaveSuspension
 from r3090d.core.vocabulary import Phase
 from r3090d.service import commands, resethold
 from r3090d.service.daemon import STARTING_POLL_S, Daemon, collect_garbage
@@ -33,9 +34,13 @@ class SwapDaemon(Daemon):
 
     def boot(self) -> int | None:
         for unit in self.fleet.units.values():
-            parked = unit.suspend.boot_state(self.offset)  # an engine parked or suspended by an earlier daemon: cold now
-            if parked is not None:
-                unit.st = parked
+            suspended = unit.suspend.boot_state(self.offset)  # its engine did not outlive the earlier daemon
+            if suspended is None:
+                continue
+            if suspended.suspension.parked:
+                unit.suspend.execute(SaveSuspension(None), unit.engine.sample(), unit.sampler)  # parked is the arbiter's: cold now
+            else:
+                unit.st = suspended  # the operator lent the GPU: it stays lent until r3090ctl resume --model
         code = self.preflight_or_skip()
         if code is not None:
             return code

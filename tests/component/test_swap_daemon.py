@@ -108,13 +108,14 @@ class Card:
 
     def __init__(self, path: Path):
         self.path = path
+        self.daemon_pid: int | None = None  # only this daemon's engines: other tests may run doubles too
         self.seen: set[int] = set()
         self.stop = threading.Event()
         write_atomically(path, {"memory_total_mib": TOTAL_MIB, "memory_used_mib": 0, "util": 50, "processes": []})
 
     def keep(self) -> None:
         while not self.stop.wait(0.05):
-            cores = {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "fake-EngineCore"}
+            cores = self.cores()
             new, gone = cores - self.seen, {pid for pid in self.seen if pid not in cores}
             if not new and not gone:
                 continue
@@ -122,6 +123,22 @@ class Card:
             procs = [[pid, mib] for pid, mib in card["processes"] if pid not in gone] + [[pid, ENGINE_MIB] for pid in sorted(new)]
             write_atomically(self.path, {**card, "processes": procs, "memory_used_mib": sum(mib for _, mib in procs)})
             self.seen = (self.seen | new) - gone
+
+    def cores(self) -> set[int]:
+        if self.daemon_pid is None:
+            return set()
+        try:
+            family = psutil.Process(self.daemon_pid).children(recursive=True)
+        except psutil.Error:
+            return set()
+        out = set()
+        for p in family:
+            try:
+                if p.name() == "fake-EngineCore":
+                    out.add(p.pid)
+            except psutil.Error:
+                pass
+        return out
 
 
 @pytest.fixture
@@ -134,13 +151,14 @@ def swap_rig(tmp_path, fake_engine_python):
         card = Card(tmp_path / "card.json")
         control = tmp_path / "cuda.json"
         write_atomically(control, {"log": str(tmp_path / "calls.jsonl")})
-        threading.Thread(target=card.keep, daemon=True).start()
         proc = DaemonProcess(config, tmp_path / "daemon.log", "--skip-preflight")
         proc._log = open(proc.log_path, "ab")  # noqa: SIM115 (closed by cleanup)
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "R3090D_CONFIG", "R3090D_INSTANCE")}
         env.update(PYTHONPATH=FAKE_PATHS, R3090D_FAKE_NVML=str(card.path), **{FAKE_ENV: str(control)})
         proc.proc = subprocess.Popen([sys.executable, "-m", "r3090d", "--config", str(config), "--skip-preflight"], stdout=proc._log,
                                      stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        card.daemon_pid = proc.proc.pid
+        threading.Thread(target=card.keep, daemon=True).start()
         rig = SwapRig(proc, config, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{exporter}", card)
         started.append((rig, runtime))
         # The router listens once it has started and taken the daemon's table.
@@ -315,3 +333,23 @@ def test_an_embedding_model_is_probed_with_embeddings_and_served_through_the_rou
     paths = {e["path"] for e in log if e["method"] == "POST"}
     assert "/v1/embeddings" in paths and "/v1/completions" not in paths, paths
     assert r.model(st, "search")["canary"]["enabled"] is False
+
+
+def test_a_gpu_lent_by_the_operator_holds_every_swap_until_resume(swap_rig):
+    r = swap_rig()
+    assert r.complete("alpha").status_code == 200
+    r.wait_model("alpha", "ready")
+    r.proc.wait_for(lambda s: (s.get("gpu") or {}).get("processes"), BOUND, "NVML to list alpha's core")
+    out = ctl(r.config, "suspend", "--model", "alpha", "--wait", timeout=BOUND)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result: dict = {}
+    waiter = threading.Thread(target=lambda: result.setdefault("beta", r.complete("beta")), daemon=True)
+    waiter.start()
+    r.proc.wait_for(lambda st: r.model(st, "beta")["waiting"] == 1, BOUND, "beta's request waiting at the router")
+    wait_until(lambda: "the GPU is lent (alpha suspended by the operator)" in r.proc.log(), BOUND, what="the arbiter holding")
+    st = r.proc.state()
+    assert r.model(st, "beta")["residency"] == "cold" and r.model(st, "alpha")["residency"] == "parked"
+    out = ctl(r.config, "resume", "--model", "alpha", "--wait", timeout=BOUND)
+    assert out.returncode == 0, out.stdout + out.stderr
+    waiter.join(BOUND)
+    assert result["beta"].status_code == 200, result["beta"].text  # once the card is back, beta's turn comes
