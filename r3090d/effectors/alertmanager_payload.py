@@ -81,7 +81,14 @@ class PostState(enum.StrEnum):
     RESOLVED = "resolved"
 
 
+def split_key(key: str) -> tuple[str, str | None]:
+    """An alert's key as (the condition, the served model): swap mode keys an engine's alerts KEY:MODEL."""
+    base, _, model = key.partition(":")
+    return base, model or None
+
+
 def kind_of(key: str, *, exit_on_give_up: bool) -> Kind:
+    key, _ = split_key(key)
     if key in EVENT_KEYS:
         return Kind.EVENT
     if key == PREFLIGHT_FAILED or (key == GAVE_UP and exit_on_give_up):
@@ -173,9 +180,11 @@ def gpu_label(context: AlertContext) -> str | None:
 
 def alert_labels(key: str, severity: str, context: AlertContext) -> Pairs:
     """The labels, only those with a value (Alertmanager reads an empty label as absent anyway)."""
+    base, model = split_key(key)
     pairs = (
-        ("alertname", key),
+        ("alertname", base),
         ("alert", key),
+        ("served_model", model),
         ("severity", severity),
         ("host", context.hostname),
         ("gpu", gpu_label(context)),

@@ -498,3 +498,11 @@ def test_dispatcher_without_alertmanager_has_no_table_and_sync_is_a_no_op():
     d.sync({"kv_pressure": alerting.AlertEntry(firing=True)}, wall_offset=0.0)
     assert d.channels == [] and d.flush(1.0)
     d.close()
+
+
+def test_an_engines_alert_in_swap_mode_is_its_condition_labelled_with_its_model():
+    """Swap mode keys an engine's alerts KEY:MODEL, so two models' `dead` are two alerts: one alertname, two served_model."""
+    labels = dict(amp.alert_labels("dead:chat", "critical", AlertContext(hostname="h")))
+    assert labels == {"alertname": "dead", "alert": "dead:chat", "served_model": "chat", "severity": "critical", "host": "h"}
+    assert amp.kind_of("engine_restarted:chat", exit_on_give_up=False) is amp.Kind.EVENT
+    assert amp.kind_of("gave_up:chat", exit_on_give_up=False) is amp.Kind.CONDITION
