@@ -154,7 +154,7 @@ def healthz(doc: StateDocument | dict | None, now: float) -> tuple[int, str]:
 def _router_down(d: StateDocument) -> str | None:
     """Why nothing can be served through the router now, or None: maintenance, the router down or unlinked."""
     router = (d.swap or SwapInfo()).router
-    if d.engine.maintenance:
+    if d.maintenance:
         return "maintenance mode"
     if not router.up:
         return "the router is down"
@@ -418,7 +418,7 @@ def families(doc: StateDocument | dict | None, now: float) -> list:
     info.add_metric([daemon.version, engine.model, "" if daemon.instance is None else str(daemon.instance), daemon.host], 1.0)
     f.out.append(info)
     f.gauge("r3090d_state_written_timestamp_seconds", "Unix time the daemon last wrote its state (once per tick)", d.written_at)
-    f.gauge("r3090d_maintenance", "1 while maintenance mode pauses remediation", 1 if engine.maintenance else 0)
+    f.gauge("r3090d_maintenance", "1 while maintenance mode pauses remediation", 1 if d.maintenance else 0)
     _engine_families(f)
     if d.swap_mode:
         _swap_families(f, d)

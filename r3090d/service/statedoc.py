@@ -477,6 +477,11 @@ class StateDocument:
     def swap_mode(self) -> bool:
         return bool(self.models) or self.swap is not None
 
+    @property
+    def maintenance(self) -> bool:
+        """Maintenance mode holds: the daemon's, which in swap mode every engine carries (any one of them says so)."""
+        return self.engine.maintenance or any(m.engine.maintenance for m in self.models)
+
     def model(self, name: str) -> ModelDoc | None:
         return next((m for m in self.models if m.name == name), None)
 

@@ -107,7 +107,7 @@ def model_verdict(doc: StateDocument, model: ModelDoc, now: float) -> HealthVerd
 
 def _verdict(d: StateDocument, crit: list[str], warn: list[str], now: float, ok: str) -> HealthVerdict:
     """The findings with maintenance and the alerts that fire (unless silenced) added, as a verdict."""
-    if d.engine.maintenance:
+    if d.maintenance:
         warn.append("maintenance mode")
     muted = d.alerts.active_silences(now)
     for key, alert in sorted(d.alerts.firing.items()):
@@ -159,8 +159,6 @@ def _model_findings(m: ModelDoc, crit: list[str], warn: list[str]) -> None:
         crit.append(f"model {name} {phase}")
     elif phase is None:
         crit.append(f"model {name} in an unknown phase {m.engine.phase_name!r}")
-    if m.engine.maintenance:
-        warn.append(f"model {name} in maintenance mode")
 
 
 # ------------------------------------------------------------------ formatting
@@ -312,8 +310,8 @@ def swap_panel(d: StateDocument, verdict: HealthVerdict, now: float, *, note: st
     lines.extend(swap_lines(swap, now))
     lines.append(router_line(swap))
     lines.append(host_memory_line(swap))
-    if d.engine.maintenance:
-        lines.append("Maintenance on: automatic restarts are paused")
+    if d.maintenance:
+        lines.append("Maintenance on: automatic restarts are paused, and /healthz answers 503")
     heal = d.healing
     if heal.reset_hold:
         lines.append(f"GPU reset  needed since {clock(heal.reset_hold_since)}: {heal.reset_hold}")

@@ -10,6 +10,7 @@ the SIGTERM).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
 import threading
@@ -227,6 +228,34 @@ def test_livez_and_healthz_over_http_follow_the_state_document():
             doc["current"] = {**state_doc(Phase.STARTING), "written_at": clock["now"] - 1}  # the loop ticks again
             assert c.get(url + "/livez").status_code == 200
             assert "/livez" in c.get(url + "/").text
+    finally:
+        ex.stop()
+
+
+def test_model_health_over_http_answers_for_each_served_model():
+    from tests import swapdocs
+
+    qwen = dataclasses.replace(swapdocs.coder(NOW), name="Qwen/Qwen2.5-Coder 7B")  # a hub name: a slash and a space
+    doc = {"current": swapdocs.as_json(swapdocs.swap_doc(NOW, models=[swapdocs.chat(NOW), qwen, swapdocs.embed(NOW)]))}
+    ex = exporter.Exporter("127.0.0.1", 0, lambda: doc["current"], clock=lambda: NOW).start()
+    url = f"http://127.0.0.1:{ex.port}"
+    try:
+        with httpx.Client(trust_env=False, timeout=5.0) as c:
+            assert (c.get(url + "/healthz").status_code, c.get(url + "/healthz").text) == (200, "serving: chat ready; 2 more after a swap\n")
+            r = c.get(url + "/healthz/chat")
+            assert (r.status_code, r.text) == (200, "ready\n") and r.headers["content-type"].startswith("text/plain")
+            for path in ("/healthz/Qwen/Qwen2.5-Coder%207B", "/healthz/Qwen%2FQwen2.5-Coder%207B"):
+                r = c.get(url + path)
+                assert (r.status_code, r.text) == (200, "parked: served after a swap\n"), path
+            assert c.get(url + "/healthz/embed").text == "cold: served after a cold start\n"
+            r = c.get(url + "/healthz/gpt-4")
+            assert r.status_code == 404 and r.text.startswith("not found: no model 'gpt-4'; served: chat, Qwen/Qwen2.5-Coder 7B, embed")
+            assert c.head(url + "/healthz/chat").status_code == 200
+            # The router goes down: nothing can be served, whatever the model.
+            doc["current"] = {**doc["current"], "swap": {**doc["current"]["swap"], "router": {"up": False}}}
+            assert (c.get(url + "/healthz").status_code, c.get(url + "/healthz/chat").status_code) == (503, 503)
+            r = c.get(url + "/metrics")
+            assert 'r3090d_serving{served_model="chat"} 0.0' in r.text and "r3090d_router_up 0.0" in r.text
     finally:
         ex.stop()
 

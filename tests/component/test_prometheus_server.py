@@ -192,3 +192,50 @@ def test_every_grafana_panel_gets_data_from_a_scraped_daemon(make_daemon, promet
     except AssertionError:
         raise AssertionError(f"{len(empty)} of {len(queries)} dashboard queries return nothing:\n" + "\n".join(empty)) from None
     print(f"\n{len(queries)} dashboard queries all return data {time.monotonic() - t0:.1f} s after the engine's second start")
+
+
+@needs_prometheus
+@pytest.mark.skipif(not DASHBOARD_TEST.exists(), reason=f"no {DASHBOARD_TEST.relative_to(REPO)} to take the dashboard's queries from")
+def test_swap_panels_and_swap_alert_on_a_scraped_swap_mode_exporter(prometheus):
+    """The exporter of a swap-mode document, scraped every second: a swap in and a failed one after the first scrape."""
+    import dataclasses
+
+    from r3090d.service.exporter import Exporter
+    from tests import swapdocs
+    from tests.unit.test_grafana_dashboard import swap_queries
+
+    state = {"swap": swapdocs.swap_info(time.time()), "coder_in": 3}
+
+    def current() -> dict:
+        now = time.time()  # a fresh document at each scrape, as the daemon's ticks give
+        coder = dataclasses.replace(swapdocs.coder(now), swaps_in=state["coder_in"])
+        return swapdocs.as_json(swapdocs.swap_doc(now, models=[swapdocs.chat(now), coder, swapdocs.embed(now)], swap=state["swap"]))
+
+    ex = Exporter("127.0.0.1", 0, current).start()
+    try:
+        prom = prometheus(f"127.0.0.1:{ex.port}")
+        prom.wait_scraping()
+        prom.wait(lambda: prom.value('r3090d_swaps_total{served_model="coder"}') == 3, 30, "a scrape of the first document")
+        # coder swapped in in 12 s, then a swap that failed.
+        swap = state["swap"]
+        state["swap"] = dataclasses.replace(swap, total=swap.total + 2, failed=swap.failed + 1, latency=swap.latency.observed(12.0))
+        state["coder_in"] = 4
+        queries = swap_queries()
+        empty: list[str] = list(queries)
+
+        def all_have_data() -> bool:
+            empty[:] = [q for q in queries if not prom.query(q)]
+            return not empty
+
+        try:
+            prom.wait(all_have_data, 30, "every swap panel's query to return data", interval=0.5)
+        except AssertionError:
+            raise AssertionError(f"{len(empty)} of {len(queries)} swap panel queries return nothing:\n" + "\n".join(empty)) from None
+        (alert,) = prom.wait(lambda: prom.firing("R3090dSwapFailing"), 30, "R3090dSwapFailing firing")
+        assert alert["labels"]["severity"] == "warning" and "served_model" not in alert["labels"]
+        assert not prom.firing("R3090dSwapFailingRepeatedly") and not prom.firing("R3090dRouterDown")
+        # The one swap since the first scrape took 12 s: in the (10, 15] bucket, whatever the interpolation.
+        (p50,) = [q for q in queries if q.startswith("histogram_quantile(0.5,")]
+        assert 10 < prom.value(p50) <= 15
+    finally:
+        ex.stop()

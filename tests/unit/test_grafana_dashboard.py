@@ -75,6 +75,11 @@ def substitute(expr: str) -> str:
     return expr
 
 
+def swap_queries() -> list[str]:
+    """The swap row's PromQL, as dashboard_queries() fills it in: what a swap-mode exporter must give data for."""
+    return [substitute(t["expr"]) for p in swap_panels() for t in p["targets"]]
+
+
 def dashboard_queries(*, swap_mode: bool = False) -> list[str]:
     """Every panel's and annotation's PromQL, with $instance as `.*` and $__rate_interval as 1m; the swap row's
     only with swap_mode (a daemon of single mode exports none of what they plot)."""

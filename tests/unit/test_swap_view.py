@@ -486,3 +486,26 @@ def test_a_swap_document_round_trips_its_latency():
     assert d.swap.latency == h and d.swap.latency.count == 1
     assert parse({**as_json(swap_doc()), "swap": None}).swap is None and parse({**as_json(swap_doc()), "swap": None}).swap_mode  # models alone say so
     assert StateDocument().swap_mode is False
+
+
+def test_maintenance_carried_by_the_engines_is_the_nodes():
+    doc = swap_doc()
+    for name in ("chat", "coder", "embed"):
+        m = doc.model(name)
+        doc = with_model(doc, name, engine=dataclasses.replace(m.engine, maintenance=True))
+    raw = as_json(doc)
+    assert verdict(doc).line() == "WARNING: maintenance mode"
+    assert exporter.healthz(raw, NOW) == (503, "maintenance mode") and exporter.model_healthz(raw, "chat", NOW) == (503, "maintenance mode")
+    assert scrape(raw)[("r3090d_maintenance", ())] == 1
+    assert "Maintenance on: automatic restarts are paused, and /healthz answers 503" in panel(doc)
+
+
+def test_a_top_level_engine_written_without_a_phase_reads_as_swap():
+    # The daemon writes the top-level engine as its state alone: {"state": "swap", "phase": null, "model": "chat, coder, embed"}.
+    raw = as_json(swap_doc(engine=dataclasses.replace(swap_doc().engine, model="chat, coder, embed")))
+    raw["engine"]["phase"] = None
+    d = parse(raw)
+    assert (d.engine.phase, d.engine.phase_name) == (None, "swap")
+    assert statusview.verdict_of(d, running=True, now=NOW).code == exitcodes.OK and exporter.healthz(d, NOW)[0] == 200
+    info = [k for k in scrape(raw) if k[0] == "r3090d_info"]
+    assert info == [("r3090d_info", (("host", "gpu1"), ("model", "chat, coder, embed"), ("unit_instance", ""), ("version", "0.1.0")))]
