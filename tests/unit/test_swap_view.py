@@ -509,3 +509,16 @@ def test_a_top_level_engine_written_without_a_phase_reads_as_swap():
     assert statusview.verdict_of(d, running=True, now=NOW).code == exitcodes.OK and exporter.healthz(d, NOW)[0] == 200
     info = [k for k in scrape(raw) if k[0] == "r3090d_info"]
     assert info == [("r3090d_info", (("host", "gpu1"), ("model", "chat, coder, embed"), ("unit_instance", ""), ("version", "0.1.0")))]
+
+
+def test_status_model_option_names_what_it_cannot_show():
+    from r3090d.cli import status_cmd
+
+    single = status_cmd.located(True, FULL, "socket", None, "/var/lib/r3090d/state.json")
+    v = status_cmd.judge(single, NOW, "chat")
+    assert v.code == exitcodes.UNKNOWN and v.reasons == ("--model 'chat': r3090d serves one engine (no [[models]]); r3090ctl status without --model",)
+    swap = status_cmd.located(True, as_json(swap_doc()), "socket", None, "/var/lib/r3090d/state.json")
+    assert status_cmd.judge(swap, NOW, "nope").reasons == ("r3090d serves no model 'nope'; its models: chat, coder, embed",)
+    assert status_cmd.judge(swap, NOW, "coder").line() == "OK: model coder parked"
+    stopped = status_cmd.located(False, as_json(swap_doc()), "state-file", None, "/var/lib/r3090d/state.json")
+    assert status_cmd.judge(stopped, NOW, "coder").code == exitcodes.UNKNOWN  # not running: as without --model
