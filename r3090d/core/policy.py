@@ -373,7 +373,10 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
     if st.phase is Phase.COLD:
         # Swap mode: the arbiter brings the engine in when its model is asked for (or the operator restarts it).
         if snap.start_requested or snap.restart_requested is not None:
-            return _start(snap, st, cfg, now, actions, "brought in for its model" if snap.start_requested else "started by operator", automatic=True)
+            # The card has just changed (another engine parked or stopped for this one): its room is judged on an
+            # NVML reading taken after the ask, as after a death, not on one that still shows the engine that left.
+            reason = "brought in for its model" if snap.start_requested else "started by operator"
+            return _start(snap, st, cfg, now, actions, reason, automatic=True, death_at=st.death_at if st.death_at is not None else now)
         return st
 
     if st.phase is Phase.RESET_NEEDED:

@@ -277,23 +277,23 @@ class Fleet:
                 pending.suspend = self.parks[move.name] = pending.number()
                 pending.park = True
                 self.swaps_out[move.name] += 1
-                self.swaps.begin(self.plan.target, move.name, now, parked=True, frozen=view.inflight)
+                self.swaps.begin(self.plan.target, move.name, now, parked=True)
         elif isinstance(move, Unpark):
             if pending.resume is None and move.name not in self.parks:
                 pending.resume = self.parks[move.name] = pending.number()
                 self.swaps_in[move.name] += 1
-                self.swaps.begin(move.name, None, now, parked=True, frozen=0, bring_in=True)
+                self.swaps.begin(move.name, None, now, parked=True, bring_in=True)
         elif isinstance(move, ColdStart):
             if not pending.start:
                 pending.start = True
                 self.swaps_in[move.name] += 1
-                self.swaps.begin(move.name, None, now, parked=False, frozen=0, bring_in=True)
+                self.swaps.begin(move.name, None, now, parked=False, bring_in=True)
         elif isinstance(move, StopCold):
             if pending.stop_cold is None:
                 pending.stop_cold = move.detail or f"stopped to cold ({move.why.value})"
                 if move.why is not arbiter.StopWhy.EVICT:
                     self.swaps_out[move.name] += 1
-                    self.swaps.begin(self.plan.target, move.name, now, parked=False, frozen=view.inflight)
+                    self.swaps.begin(self.plan.target, move.name, now, parked=False)
 
     # ------------------------------------------------------------------ the router's table
 

@@ -222,6 +222,7 @@ class SuspendService:
             gpu_bytes=s.bytes if s else 0,
             host_rss_bytes=_rss(s.target) if held and s.target else None,
             frozen_requests=s.frozen_requests if s else 0,
+            parked=bool(s and s.parked),
             error=s.error if s else "",
             how_to_resume=HOW_TO_RESUME if s and s.stage is Stage.SUSPENDED else None,
             last=LastRequest(last.request, last.op, last.result, last.detail, last.at + offset) if last else None,

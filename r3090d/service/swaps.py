@@ -48,10 +48,10 @@ class SwapTracker:
         self.last: SwapRecord | None = None
         self.latency = Histogram.empty(SWAP_BUCKETS)
 
-    def begin(self, target: str | None, outgoing: str | None, now: float, *, parked: bool, frozen: int, bring_in: bool = False) -> None:
+    def begin(self, target: str | None, outgoing: str | None, now: float, *, parked: bool, bring_in: bool = False) -> None:
         """A move of the arbiter's: a swap starts with its first move, and learns the target's way in with the second."""
         if self.current is None:
-            self.current = Swap(target, outgoing, now, time.time(), cold=bring_in and not parked, frozen=frozen, last_at=now)
+            self.current = Swap(target, outgoing, now, time.time(), cold=bring_in and not parked, last_at=now)
         elif bring_in and self.current.to_model in (None, target):
             self.current.to_model = target
             self.current.cold = not parked
@@ -76,6 +76,8 @@ class SwapTracker:
             return False
         if target is not None:
             bucket = self._incoming(target.st)
+        if out is not None and out.st.phase is Phase.SUSPENDING and out.st.suspension is not None:
+            s.frozen = out.st.suspension.frozen_requests  # what the drain's deadline left running, once the lock is asked
         if bucket is None and out is not None:
             bucket = self._outgoing(out.st)
         if bucket == "start_s":

@@ -11,6 +11,7 @@ from r3090d import config
 from r3090d.core import policy, rules, suspension
 from r3090d.core.actions import (
     RecordRestart,
+    RequestGpuSample,
     SaveSuspension,
     SendAlert,
     StartEngine,
@@ -189,7 +190,7 @@ def test_a_cold_engine_stays_cold_and_silent_until_asked(fields):
         ({"start_requested": True}, {"reset_hold": HOLD}, Phase.RESET_NEEDED, None),
         ({"start_requested": True, "maintenance": True}, {}, Phase.BACKOFF, None),
         (
-            {"start_requested": True, "gpu": card(0, procs=((OTHER, 20 * GIB),))},
+            {"start_requested": True, "gpu": card(100.0, procs=((OTHER, 20 * GIB),))},  # a reading after the ask
             {},
             Phase.WAITING_FOR_GPU,
             None,
@@ -221,6 +222,18 @@ def test_a_cold_engine_starts_when_asked_through_the_start_gate(fields, state, p
         assert r.of(StartEngine) == [StartEngine(reason=reason)]
         assert r.st.generation == fields.get("ch", ChildSample()).generation + 1
     assert not r.of(RecordRestart) and r.st.restarts_total == 0
+
+
+def test_a_cold_start_judges_the_room_on_a_reading_taken_after_the_ask():
+    """The engine that left was on the card until just now: a reading from before the ask still shows it."""
+    r = Run()
+    r.tick()
+    stale = card(r.now, procs=((OTHER, 20 * GIB),))  # the parked engine, as NVML last saw it
+    r.tick(start_requested=True, gpu=stale)
+    assert r.st.phase is Phase.COLD and not r.of(StartEngine) and r.of(RequestGpuSample)
+    assert "gpu_room" not in alert_keys(r.acts)
+    r.tick(start_requested=True)  # a fresh reading: the card is free
+    assert r.of(StartEngine) and r.st.phase is Phase.STARTING
 
 
 def test_a_started_cold_engine_becomes_ready_and_served():

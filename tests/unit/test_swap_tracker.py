@@ -102,10 +102,11 @@ class Unit:
     st: PolicyState
 
 
-def at(phase: Phase, stage: Stage | None = None, **fields) -> Unit:
-    """An engine in `phase`, with a parked suspension in `stage` where one stands."""
+def at(phase: Phase, stage: Stage | None = None, frozen: int = 0, **fields) -> Unit:
+    """An engine in `phase`, with a parked suspension in `stage` where one stands (`frozen`: the requests the drain's
+    deadline left running in it)."""
     s = (
-        Suspension(stage, 0.0, 1, parked=True, resuming=phase is Phase.RESUMING)
+        Suspension(stage, 0.0, 1, parked=True, resuming=phase is Phase.RESUMING, frozen_requests=frozen)
         if stage is not None
         else None
     )
@@ -121,20 +122,20 @@ class Moves:
     """The arbiter's moves as Fleet._request hands them to the tracker."""
 
     @staticmethod
-    def park(t, target="coder", outgoing="chat", frozen=0):
-        return lambda tr: tr.begin(target, outgoing, t, parked=True, frozen=frozen)
+    def park(t, target="coder", outgoing="chat"):
+        return lambda tr: tr.begin(target, outgoing, t, parked=True)
 
     @staticmethod
     def unpark(t, target="coder"):
-        return lambda tr: tr.begin(target, None, t, parked=True, frozen=0, bring_in=True)
+        return lambda tr: tr.begin(target, None, t, parked=True, bring_in=True)
 
     @staticmethod
-    def stop_cold(t, target="coder", outgoing="chat", frozen=0):
-        return lambda tr: tr.begin(target, outgoing, t, parked=False, frozen=frozen)
+    def stop_cold(t, target="coder", outgoing="chat"):
+        return lambda tr: tr.begin(target, outgoing, t, parked=False)
 
     @staticmethod
     def cold_start(t, target="coder"):
-        return lambda tr: tr.begin(target, None, t, parked=False, frozen=0, bring_in=True)
+        return lambda tr: tr.begin(target, None, t, parked=False, bring_in=True)
 
 
 def play(tracker: SwapTracker, script, routing_s=0.002) -> list[SwapProgress | None]:
@@ -151,12 +152,12 @@ def play(tracker: SwapTracker, script, routing_s=0.002) -> list[SwapProgress | N
 
 
 PARK_SWAP = [
-    (10.0, READY, PARKED, Moves.park(10.0, frozen=2)),  # the decision: chat still ready
+    (10.0, READY, PARKED, Moves.park(10.0)),  # the decision: chat still ready, two requests in flight
     (10.5, at(Phase.SUSPENDING, Stage.DRAINING), PARKED, None),
     (11.0, at(Phase.SUSPENDING, Stage.DRAINING), PARKED, None),
     (11.25, at(Phase.SUSPENDING, Stage.BASELINING), PARKED, None),
-    (11.5, at(Phase.SUSPENDING, Stage.CHECKPOINTING), PARKED, None),
-    (13.0, at(Phase.SUSPENDING, Stage.CHECKPOINTING), PARKED, None),
+    (11.5, at(Phase.SUSPENDING, Stage.CHECKPOINTING, frozen=2), PARKED, None),  # the drain's deadline: two frozen
+    (13.0, at(Phase.SUSPENDING, Stage.CHECKPOINTING, frozen=2), PARKED, None),
     (13.5, PARKED, PARKED, Moves.unpark(13.5)),  # chat parked; coder's resume asked this tick
     (14.0, PARKED, at(Phase.RESUMING, Stage.CHECKING), None),
     (15.0, PARKED, at(Phase.RESUMING, Stage.RESTORING), None),
@@ -168,7 +169,7 @@ PARK_STAGES = [None, "draining chat", "draining chat", "draining chat", "parking
                "restoring coder", "restoring coder", "checking coder", "checking coder"]  # fmt: skip
 
 COLD_SWAP = [
-    (20.0, READY, COLD, Moves.stop_cold(20.0, frozen=1)),
+    (20.0, READY, COLD, Moves.stop_cold(20.0)),  # a drained stop: whatever runs finishes, nothing is frozen
     (20.5, at(Phase.DRAINING, cold_after=True), COLD, None),
     (22.0, at(Phase.DRAINING, cold_after=True), COLD, None),
     (22.5, COLD, COLD, Moves.cold_start(22.5)),
@@ -185,7 +186,7 @@ COLD_SWAP = [
         (PARK_SWAP, SwapRecord(from_model="chat", to_model="coder", cold=False, ok=True, seconds=6.502, drain_s=1.25, checkpoint_s=1.75,
                                restore_s=1.5, canary_s=1.5, routing_s=0.002, frozen_requests=2)),
         (COLD_SWAP, SwapRecord(from_model="chat", to_model="coder", cold=True, ok=True, seconds=10.502, stop_s=2.0, start_s=8.0,
-                               routing_s=0.002, frozen_requests=1)),
+                               routing_s=0.002)),
         ([(5.0, COLD, COLD, Moves.cold_start(5.0)), (5.5, COLD, at(Phase.STARTING), None), (9.0, COLD, READY, None)],
          SwapRecord(from_model=None, to_model="coder", cold=True, ok=True, seconds=4.002, start_s=4.0, routing_s=0.002)),
         ([(5.0, PARKED, PARKED, Moves.unpark(5.0)), (5.5, PARKED, at(Phase.RESUMING, Stage.RESTORING), None),
@@ -296,3 +297,12 @@ def test_the_latency_histogram_observes_each_swaps_seconds_routing_included():
     assert tracker.last.seconds == 6.75 and tracker.last.routing_s == 0.25
     # statedoc: the histogram is "SwapRecord.seconds of each swap".
     assert tracker.latency.sum == tracker.last.seconds
+
+
+def test_a_request_that_ends_inside_the_drain_is_not_counted_frozen():
+    """Frozen is what the drain's deadline left running (the suspension's count), not what ran at the decision."""
+    tracker = SwapTracker()
+    play(tracker, [(1.0, READY, PARKED, Moves.park(1.0)), (1.5, at(Phase.SUSPENDING, Stage.DRAINING), PARKED, None),
+                   (2.0, at(Phase.SUSPENDING, Stage.CHECKPOINTING, frozen=0), PARKED, None), (3.0, PARKED, PARKED, Moves.unpark(3.0)),
+                   (4.0, PARKED, at(Phase.RESUMING, Stage.RESTORING), None), (5.0, PARKED, READY, None)])  # fmt: skip
+    assert tracker.last.ok and tracker.last.frozen_requests == 0
