@@ -13,11 +13,14 @@ streams.
 
 For each swap it prints the time to the first token of the first request after it
 (from its send, through the router's queue), and the daemon's own breakdown from
-the state document's swap.last, read once that request has its first token: stop_s
-(the outgoing engine's drained stop), start_s (the target's cold start), canary_s,
-routing_s (until the router had the new table), and seconds (the whole swap, from
-its decision). Then the requests sent, completed (HTTP 200, [DONE], every token
-asked for) and failed, and a summary of the swaps between models (median and max).
+the state document's swap.last, followed as each swap ends: stop_s (the outgoing
+engine's drained stop), start_s (the target's cold start), canary_s, routing_s
+(until the router had the new table), and seconds (the whole swap, from the
+arbiter's decision). TTFT minus the swap's seconds is what the request waited
+outside it: for the outgoing model's streams to end before the decision, and its
+own first token. Then the requests sent, completed (HTTP 200, [DONE], every token
+asked for) and failed, a summary of the swaps between models (median and max), and
+the daemon's swap decisions as it logged them.
 
 Opt-in (about a minute per swap on 2 cores): R3090D_BENCH_LONG=1, or --swaps given.
 Exit 0 when every request completed and every swap served, 1 otherwise, 69 (saying
@@ -56,7 +59,7 @@ DEMO_CONFIG = ROOT / "etc" / "demo-swap.toml"
 DEFAULT_SWAPS = 4
 PROMPT = "engine health the block process model memory token"
 STARTED_S = 30.0  # bound on the daemon's router being linked after the daemon starts
-RECORD_S = 15.0  # bound on the state document showing a swap after its first request streamed
+RECORD_S = 15.0  # bound on the state document counting every swap seen, after the last stream ended
 DONE_S = 120.0  # bound on the last streams finishing after the sequence has been sent
 
 
@@ -244,6 +247,8 @@ class SwapModeDaemon(benchlib.Daemon):
 class Run:
     def __init__(self, daemon: benchlib.Daemon):
         self.daemon = daemon
+        self.records: dict[float, dict] = {}  # swap.last by its end time
+        self._stop = threading.Event()
 
     def state(self) -> dict | None:
         st = self.daemon.state()
@@ -272,17 +277,41 @@ class Run:
             f"the router was not linked within {STARTED_S:.0f} s:\n{self.daemon.log_text()[-3000:]}"
         )
 
-    def swap_record(self, total_before: int, to_model: str) -> tuple[dict | None, int]:
-        """swap.last once the state document counts a swap to `to_model` beyond `total_before`, and the new total."""
+    def follow_swaps(self) -> None:
+        """Collect every swap.last the state document shows (each ended swap once), until stop_following."""
+        while not self._stop.is_set():
+            last = ((self.state() or {}).get("swap") or {}).get("last")
+            if last and last.get("at") is not None:
+                self.records.setdefault(last["at"], last)
+            self._stop.wait(0.1)
+
+    def start_following(self) -> None:
+        threading.Thread(target=self.follow_swaps, name="swap-records", daemon=True).start()
+
+    def records_in_order(self) -> list[dict]:
+        """The swaps seen, in the order they ended, once as many as the daemon counts (bounded wait)."""
         deadline = time.monotonic() + RECORD_S
-        while True:
-            swap = (self.state() or {}).get("swap") or {}
-            total, last = swap.get("total") or 0, swap.get("last")
-            if total > total_before and last and last.get("to_model") == to_model:
-                return last, total
-            if time.monotonic() > deadline:
-                return None, total
+        while time.monotonic() < deadline:
+            total = ((self.state() or {}).get("swap") or {}).get("total") or 0
+            if len(self.records) >= total:
+                break
             time.sleep(0.1)
+        self._stop.set()
+        return [self.records[at] for at in sorted(self.records)]
+
+
+def pair(
+    asked_for: list[tuple[str | None, str, Request, list[Request]]], records: list[dict]
+) -> list[SwapRow]:
+    """Each swap the client asked for with the daemon's record of it: the records in the order the swaps
+    ended, one per swap asked for (a swap that failed before a record has None)."""
+    rows, k = [], 0
+    for n, (from_model, to_model, req, outgoing) in enumerate(asked_for):
+        record = None
+        if k < len(records) and records[k].get("to_model") == to_model:
+            record, k = records[k], k + 1
+        rows.append(SwapRow(n, from_model, to_model, req, outgoing, record))
+    return rows
 
 
 def vllm_version(log_text: str) -> str:
@@ -336,41 +365,33 @@ def main(argv: list[str]) -> int:
         daemon = SwapModeDaemon(config, tmp / "daemon.log").start()
         run = Run(daemon)
         requests: list[Request] = []
-        rows: list[SwapRow] = []
         try:
             run.wait_linked()
             say(f"daemon up, router linked on {daemon.url}; sequence {' '.join(seq)}; log {daemon.log_path}")
-            total = 0
+            run.start_following()
+            # Each request goes as soon as the one before it streams its first token: the swap it asks
+            # for finds the outgoing model still streaming, and a repeated model gets its second request
+            # while the first one streams.
+            asked_for: list[tuple[str | None, str, Request, list[Request]]] = []
             for i, name in enumerate(seq):
                 swapping = i == 0 or name != seq[i - 1]
                 req = Request(i, name, args.stream_tokens)
-                asked = time.monotonic()
-                outgoing = [r for r in requests if r.model != name and r.running_at(asked)]
+                outgoing = [r for r in requests if r.model != name and r.running_at(time.monotonic())]
                 requests.append(req.start(daemon.url))
-                say(
-                    f"request {i}: {name}"
-                    + (
-                        f" (a swap; {len(outgoing)} stream(s) to the other model running)"
-                        if swapping
-                        else " (resident)"
-                    )
-                )
+                if swapping:
+                    asked_for.append((seq[i - 1] if i else None, name, req, outgoing))
+                    say(f"request {i}: {name}, a swap; {len(outgoing)} stream(s) to the other model running")
+                else:
+                    say(f"request {i}: {name}, resident")
                 req.first_token.wait()
                 if req.error:
                     say(f"request {i} failed: {req.error}")
-                    if swapping:
-                        rows.append(SwapRow(len(rows), seq[i - 1] if i else None, name, req, outgoing, None))
-                    continue
-                say(f"request {i}: first token after {req.ttft:.2f} s")
-                if swapping:
-                    record, total = run.swap_record(total, name)
-                    rows.append(SwapRow(len(rows), seq[i - 1] if i else None, name, req, outgoing, record))
-                    if record is None:
-                        say(
-                            f"no swap to {name} in the state document within {RECORD_S:.0f} s of its first token"
-                        )
+                else:
+                    say(f"request {i}: first token after {req.ttft:.2f} s")
             for r in requests:
                 r.finished.wait(DONE_S)
+            records = run.records_in_order()
+            rows = pair(asked_for, records)
             final = run.state() or {}
         finally:
             daemon.cleanup()
