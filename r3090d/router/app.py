@@ -202,10 +202,8 @@ class OneLineHttpErrors(logging.Filter):
         more = f" ({self.suppressed} more since the last)" if self.suppressed else ""
         self.last, self.suppressed = now, 0
         text = " ".join(str(exc).split())[:200]
-        record.msg, record.args = "%s: a malformed request: %s%s", (record.getMessage(), text, more)
-        record.exc_info = record.exc_text = None
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
+        log.warning("%s: a malformed request: %s%s", record.getMessage(), text, more)
+        return False  # the original, with its traceback, is dropped
 
 
 def model_of(body: bytes) -> str | web.Response:
