@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if client_cpu is not None:
         os.sched_setaffinity(0, {client_cpu})
 
+    load_before = os.getloadavg()[0]
     tmp = Path(tempfile.mkdtemp(prefix="r3090d-bench-router-", dir="/tmp"))
     double = FakeVllm(sys.executable, "--fake-token-delay", str(args.token_delay), served_model_name=MODEL, log_path=tmp / "double.log",
                       env={"PYTHONPATH": str(SHIM_DIR)})  # fmt: skip
@@ -236,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"router hot path: {args.concurrency} streams, {OUTPUT_TOKENS} tokens each, {requests} requests per round and path, "
           f"median of {args.rounds} interleaved rounds; double step {args.token_delay:g} s")  # fmt: skip
     print(f"pinning: {pinning}")
+    print(f"load average (1 min) before and after: {load_before:.2f}, {os.getloadavg()[0]:.2f} (other work on the machine shows here)")
     print(table(["path", "TTFT p50 ms", "TTFT p90 ms", "tokens/s", "completed", "failed"], rows))
     print(
         f"router CPU: {statistics.median(router_cpu_share) * 100:.0f}% of one core while streaming (median over rounds)"

@@ -113,8 +113,8 @@ async def forward(
             if not chunk:
                 break
             await out.write(chunk)
+        complete = True  # the engine's answer is whole: its connection can serve another request
         await out.write_eof()
-        complete = True
         return out
     except ConnectionError:  # the client left (aiohttp's reset error is a ConnectionResetError)
         return out

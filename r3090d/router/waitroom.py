@@ -56,7 +56,7 @@ class Waitroom:
         self.table: Table | None = None
         self.generation = 0  # tables received; a new daemon restarts its seq, so seq alone cannot order them
         self._lanes: dict[str, _Lane] = {}
-        self._on_change = on_change
+        self.on_change = on_change
         self._clock = clock
         self._closed = False
 
@@ -79,7 +79,7 @@ class Waitroom:
                 else:
                     keep.append(waiter)
             lane.waiters = keep
-        self._on_change(False)
+        self.on_change(False)
 
     def close(self) -> None:
         """Stopping: every waiter is answered ShuttingDown, and later requests too."""
@@ -117,7 +117,7 @@ class Waitroom:
         while position > 0 and lane.waiters[position - 1].arrived > waiter.arrived:
             position -= 1
         lane.waiters.insert(position, waiter)
-        self._on_change(len(lane.waiters) == 1)
+        self.on_change(len(lane.waiters) == 1)
         try:
             async with asyncio.timeout(timeout):
                 return await waiter.future
@@ -126,19 +126,19 @@ class Waitroom:
         finally:
             if waiter in lane.waiters:
                 lane.waiters.remove(waiter)
-                self._on_change(False)
+                self.on_change(False)
 
     def started(self, name: str) -> None:
         lane = self._lanes.setdefault(name, _Lane())
         lane.inflight += 1
         lane.last_used_at = self._clock()
-        self._on_change(False)
+        self.on_change(False)
 
     def finished(self, name: str) -> None:
         lane = self._lanes[name]
         lane.inflight -= 1
         lane.last_used_at = self._clock()
-        self._on_change(False)
+        self.on_change(False)
 
     # -- what is reported
     def demand(self) -> Demand:
