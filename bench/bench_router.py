@@ -237,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"router hot path: {args.concurrency} streams, {OUTPUT_TOKENS} tokens each, {requests} requests per round and path, "
           f"median of {args.rounds} interleaved rounds; double step {args.token_delay:g} s")  # fmt: skip
     print(f"pinning: {pinning}")
-    print(f"load average (1 min) before and after: {load_before:.2f}, {os.getloadavg()[0]:.2f} (other work on the machine shows here)")
+    print(
+        f"load average (1 min) before and after: {load_before:.2f}, {os.getloadavg()[0]:.2f} (other work on the machine shows here)"
+    )
     print(table(["path", "TTFT p50 ms", "TTFT p90 ms", "tokens/s", "completed", "failed"], rows))
     print(
         f"router CPU: {statistics.median(router_cpu_share) * 100:.0f}% of one core while streaming (median over rounds)"
