@@ -145,8 +145,10 @@ def reload(daemon) -> tuple[str, str]:
     old = daemon.cfg
     engine_changed = new_argv != daemon.argv or new.engine.env != old.engine.env or new.api_key != old.api_key
     daemon.cfg, daemon.argv = new, new_argv
-    daemon.sampler.configure(new)
-    daemon.suspend.cfg = new
+    unit = daemon.unit  # the engine's own copy: its next start runs the new argv
+    unit.cfg, unit.argv = new, new_argv
+    unit.sampler.configure(new)
+    unit.suspend.cfg = new
     for warning in new.warnings:
         log.warning("%s", warning)
     applied = "watchdog settings"

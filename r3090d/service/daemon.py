@@ -163,6 +163,8 @@ class Daemon:
                 log.warning("control reply failed: %s", exc)
 
     def control(self, request: dict) -> dict:
+        if request.get("model") is not None:
+            return {"ok": False, "error": f"this daemon serves one engine ({self.cfg.source} has no [[models]]): drop --model"}
         if request.get("cmd") == "reload":
             status, text = commands.reload(self)
             return {"ok": status == "ok", "message" if status == "ok" else "error": text}
