@@ -21,7 +21,9 @@ of its demand. Its rules:
    chosen: they came first.
 5. The outgoing engine is parked when the card can checkpoint it and host memory
    holds it, evicting least recently used parked engines without frozen requests
-   to make room; else it is stopped drained (cold). The target's own move comes in
+   to make room; else it is stopped (cold), but only once nothing runs in it: a
+   busy one is closed first (no new requests; those it runs finish), since a
+   stop would cut them. The target's own move comes in
    a later plan, once the outgoing engine has left the GPU (rule 1).
 6. A parked engine with frozen requests is never evicted.
 7. Whatever the demand, parked engines over the host budget (it shrank) are
@@ -139,7 +141,16 @@ class StopCold:
     detail: str = ""
 
 
-Move = Park | Unpark | ColdStart | StopCold
+@dataclass(frozen=True)
+class Close:
+    """Send the engine no new request (they wait at the router); a StopCold follows once nothing runs in it."""
+
+    name: str
+    why: StopWhy
+    detail: str = ""
+
+
+Move = Park | Unpark | ColdStart | StopCold | Close
 
 
 @dataclass(frozen=True)
@@ -288,16 +299,13 @@ def _make_room(
         busy = f"{victim.inflight} in flight, {victim.waiting} waiting"
         out = f"{wait}; {victim.name} makes room, busy ({busy}) past its minimum residency"
     if not victim.can_checkpoint:
-        stop = f"{out}: it cannot be suspended here, stop it drained"
-        return (StopCold(victim.name, StopWhy.NO_CHECKPOINT, stop),)
+        return (_stop_or_close(victim, StopWhy.NO_CHECKPOINT, f"{out}: it cannot be suspended here"),)
     cost = victim.parked_cost_mib
     total = _parked_total(engines)
     evictable = _evictable(engines, keep=target.name)
     if total - sum(e.parked_cost_mib for e in evictable) + cost > budget_mib:
-        stop = (
-            f"{out}: host memory cannot hold its {cost} MiB parked (budget {budget_mib} MiB), stop it drained"
-        )
-        return (StopCold(victim.name, StopWhy.NO_ROOM, stop),)
+        why = f"{out}: host memory cannot hold its {cost} MiB parked (budget {budget_mib} MiB)"
+        return (_stop_or_close(victim, StopWhy.NO_ROOM, why),)
     moves: list[Move] = []
     for engine in evictable:
         if total + cost <= budget_mib:
@@ -306,6 +314,14 @@ def _make_room(
         moves.append(StopCold(engine.name, StopWhy.EVICT, f"{engine.name} evicted to park {victim.name}"))
     moves.append(Park(victim.name, f"{out}: park it ({cost} MiB of host memory)"))
     return tuple(moves)
+
+
+def _stop_or_close(victim: EngineView, why: StopWhy, text: str) -> StopCold | Close:
+    """An engine that cannot be parked would lose what it runs if stopped now (a drain is bounded): it takes no new
+    request and is stopped once the router says nothing runs in it."""
+    if victim.inflight > 0:
+        return Close(victim.name, why, f"{text}: it takes no new request and is stopped once its {victim.inflight} running finish")
+    return StopCold(victim.name, why, f"{text}: stop it")
 
 
 def _eviction_text(evictions: tuple[StopCold, ...]) -> str:

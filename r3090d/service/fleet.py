@@ -27,7 +27,7 @@ from r3090d.config import Config
 from r3090d.config.models import engine_configs
 from r3090d.core import arbiter, policy, suspension
 from r3090d.core.actions import Exit, SendAlert
-from r3090d.core.arbiter import ArbiterConfig, ColdStart, EngineView, Park, Residency, StopCold, Unpark
+from r3090d.core.arbiter import ArbiterConfig, Close, ColdStart, EngineView, Park, Residency, StopCold, Unpark
 from r3090d.core.card import CardState, cleared, decide_card
 from r3090d.core.hostmemory import ESTIMATED_BASE_RSS_MIB
 from r3090d.core.snapshot import Snapshot
@@ -113,6 +113,12 @@ class Fleet:
         self._budget_read_at = -HOST_MEMORY_EVERY_S
         self.exited: dict[str, int] = {}
         self.wanted: dict[str, float] = {}  # models brought in by hand (r3090ctl swap): a waiting request each, until ready
+        self.closing: set[str] = set()  # ready engines the router sends nothing new: stopped once nothing runs in them
+        # Engines on their way in or out by the arbiter's move, counted as swapped once they get there (a refused
+        # park or resume asked again is one swap, not two).
+        self.coming: set[str] = set()
+        self.leaving: set[str] = set()
+        self.ready_at: dict[str, tuple[float, int]] = {}  # when each engine was first seen ready, and its canary errors then
         self.seq = 0
         self.table: Table | None = None
 
@@ -150,18 +156,26 @@ class Fleet:
             self._alert(action, alerts)
         for name, unit in self.units.items():
             snap = self.snaps[name]
+            was_ready = unit.st.phase is Phase.READY
             actions, unit.st = policy.decide(snap, dataclasses.replace(unit.st, reset_hold=self.card.reset_hold), unit.cfg, now, card=False)
             actions = [self._labelled(a, name) if isinstance(a, SendAlert) else a for a in actions]
             code = unit.execute([a for a in actions if not isinstance(a, Exit)], snap, alerts=alerts, gpu_name=gpu_name)
             if any(isinstance(a, Exit) for a in actions) or code is not None:
                 self.exited[name] = exitcodes.OK
             self._remember_gpu(name, unit, snap)
+            if unit.st.phase is not Phase.READY:
+                self.closing.discard(name)
+                self.ready_at.pop(name, None)
+            elif not was_ready:
+                self.ready_at[name] = (now, unit.st.canary.errors)
+            self._count_swaps(name, residency(unit.st))
         if shutdown:
             self._publish(now)
             return exitcodes.OK if len(self.exited) == len(self.units) else None
         # A swap whose target has just become ready ends before the next one can begin in this tick.
         decided_at = time.monotonic()
-        ended = self.swaps.observe(self.units, decided_at)
+        routable = {n for n, u in self.units.items() if self.routable(n, u, now)}
+        ended = self.swaps.observe(self.units, decided_at, routable=routable, closing=self.closing)
         self._arbitrate(now)
         self._publish(now)
         if ended:
@@ -177,6 +191,14 @@ class Fleet:
     def _labelled(action: SendAlert, name: str) -> SendAlert:
         """An engine's alert names its model: two models' `dead` alerts are two alerts."""
         return dataclasses.replace(action, key=f"{action.key}:{name}", summary=f"{name}: {action.summary}")
+
+    def _count_swaps(self, name: str, where: Residency) -> None:
+        if name in self.coming and where in (Residency.READY, Residency.FAILED):
+            self.coming.discard(name)
+            self.swaps_in[name] += where is Residency.READY
+        if name in self.leaving and where in (Residency.PARKED, Residency.COLD, Residency.FAILED):
+            self.leaving.discard(name)
+            self.swaps_out[name] += where is not Residency.FAILED
 
     def _remember_gpu(self, name: str, unit: EngineUnit, snap: Snapshot) -> None:
         processes = snap.gpu.processes if snap.gpu.usable else None
@@ -276,38 +298,54 @@ class Fleet:
             if pending.suspend is None and move.name not in self.parks:
                 pending.suspend = self.parks[move.name] = pending.number()
                 pending.park = True
-                self.swaps_out[move.name] += 1
+                self.leaving.add(move.name)
                 self.swaps.begin(self.plan.target, move.name, now, parked=True)
         elif isinstance(move, Unpark):
             if pending.resume is None and move.name not in self.parks:
                 pending.resume = self.parks[move.name] = pending.number()
-                self.swaps_in[move.name] += 1
+                self.coming.add(move.name)
                 self.swaps.begin(move.name, None, now, parked=True, bring_in=True)
         elif isinstance(move, ColdStart):
             if not pending.start:
                 pending.start = True
-                self.swaps_in[move.name] += 1
+                self.coming.add(move.name)
                 self.swaps.begin(move.name, None, now, parked=False, bring_in=True)
+        elif isinstance(move, Close):
+            if move.name not in self.closing:
+                self.closing.add(move.name)
+                self.leaving.add(move.name)
+                self.swaps.begin(self.plan.target, move.name, now, parked=False)
         elif isinstance(move, StopCold):
             if pending.stop_cold is None:
                 pending.stop_cold = move.detail or f"stopped to cold ({move.why.value})"
-                if move.why is not arbiter.StopWhy.EVICT:
-                    self.swaps_out[move.name] += 1
+                if move.why is not arbiter.StopWhy.EVICT and move.name not in self.closing:
+                    self.leaving.add(move.name)
                     self.swaps.begin(self.plan.target, move.name, now, parked=False)
 
     # ------------------------------------------------------------------ the router's table
 
+    def routable(self, name: str, unit: EngineUnit, now: float) -> bool:
+        """Ready, not closing, and (a generative engine) its first canary done: a model is served only once it has
+        given its known answer (compared with an earlier engine's, where one is on record), or the canary has had
+        its chance (an error, or its timeout) and the periodic check takes over."""
+        if unit.st.phase is not Phase.READY or name in self.closing:
+            return False
+        cc = unit.cfg.canary
+        if not cc.enabled or unit.st.canary.baseline is not None:
+            return True
+        since, errors = self.ready_at.get(name, (now, unit.st.canary.errors))
+        return unit.st.canary.errors > errors or now - since >= cc.timeout
+
     def _publish(self, now: float) -> None:
-        models = tuple(self._entry(name, unit) for name, unit in self.units.items())
+        models = tuple(self._entry(name, unit, self.routable(name, unit, now)) for name, unit in self.units.items())
         if self.table is None or self.table.models != models:
             self.seq += 1
             self.table = Table(self.seq, models)
         self.link.publish(self.table)
 
     @staticmethod
-    def _entry(name: str, unit: EngineUnit) -> ModelEntry:
+    def _entry(name: str, unit: EngineUnit, routable: bool) -> ModelEntry:
         st = unit.st
-        routable = st.phase is Phase.READY
         return ModelEntry(
             name=name,
             kind=ModelKind(unit.cfg.engine.kind.value),

@@ -56,7 +56,7 @@ class SwapTracker:
             self.current.to_model = target
             self.current.cold = not parked
 
-    def observe(self, units: dict, now: float) -> bool:
+    def observe(self, units: dict, now: float, routable: set[str] | None = None, closing: frozenset[str] | set[str] = frozenset()) -> bool:
         """This tick's time, into the stage each engine of the swap is in; True when the swap has just ended well
         (the caller then says how long the router's table took: routed())."""
         s = self.current
@@ -66,7 +66,9 @@ class SwapTracker:
         out = units.get(s.from_model) if s.from_model else None
         target = units.get(s.to_model) if s.to_model else None
         bucket = None
-        if target is not None and target.st.phase is Phase.READY:
+        if target is not None and target.st.phase is Phase.READY and routable is not None and s.to_model not in routable:
+            bucket = "canary_s"  # ready, its first canary not answered yet: not routed
+        elif target is not None and target.st.phase is Phase.READY:
             if s.bucket is not None:  # the last stage lasted until the target was seen ready
                 s.times[s.bucket] = s.times.get(s.bucket, 0.0) + dt
             self._end(s, now, ok=True)
@@ -74,12 +76,12 @@ class SwapTracker:
         if target is not None and target.st.phase in (Phase.GIVEN_UP, Phase.RESET_NEEDED):
             self._end(s, now, ok=False, error=target.st.give_up_reason or f"{s.to_model} is {target.st.phase.value}")
             return False
-        if target is not None:
+        if target is not None and bucket is None:
             bucket = self._incoming(target.st)
         if out is not None and out.st.phase is Phase.SUSPENDING and out.st.suspension is not None:
             s.frozen = out.st.suspension.frozen_requests  # what the drain's deadline left running, once the lock is asked
         if bucket is None and out is not None:
-            bucket = self._outgoing(out.st)
+            bucket = "drain_s" if s.from_model in closing and out.st.phase is Phase.READY else self._outgoing(out.st)
         if bucket == "start_s":
             s.cold = True  # a cold start, even of an unpark whose parked engine had died
         if bucket is not None:

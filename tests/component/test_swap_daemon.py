@@ -353,3 +353,32 @@ def test_a_gpu_lent_by_the_operator_holds_every_swap_until_resume(swap_rig):
     assert out.returncode == 0, out.stdout + out.stderr
     waiter.join(BOUND)
     assert result["beta"].status_code == 200, result["beta"].text  # once the card is back, beta's turn comes
+
+
+def test_on_cpu_a_busy_outgoing_engine_is_closed_and_stopped_only_once_its_streams_finished(swap_rig):
+    """No checkpoint here: stopping a busy engine would cut its streams (a drain is bounded), so it takes no new
+    request, finishes what it runs, and only then makes room."""
+    r = swap_rig(gpu=False)
+    assert r.complete("alpha").status_code == 200
+    r.wait_model("alpha", "ready")
+    long = Stream(r.url, "alpha", 160)  # 8 s at the double's pace: longer than the engine's shutdown_timeout of 5 s
+    wait_until(lambda: long.chunks, BOUND, what="the stream's first token")
+    beta = r.complete("beta")
+    assert beta.status_code == 200, beta.text
+    long.thread.join(BOUND)
+    assert (long.finish, long.error, len(long.chunks)) == ("length", None, 160)
+    log = r.proc.log()
+    assert "it takes no new request and is stopped once its 1 running finish" in log, log[-3000:]
+    st = r.proc.state()
+    assert r.model(st, "alpha")["residency"] == "cold" and st["swap"]["last"]["drain_s"] is not None
+
+
+def test_a_cold_started_model_is_routed_only_after_its_first_canary(swap_rig):
+    r = swap_rig(gpu=False)
+    assert r.complete("beta", tokens=3).status_code == 200
+    st = r.wait_model("beta", "ready")
+    port = r.model(st, "beta")["port"]
+    log = httpx.get(f"http://127.0.0.1:{port}/fake/requests", timeout=5.0, trust_env=False).json()["requests"]
+    completions = [e for e in log if e["method"] == "POST" and e["path"] == "/v1/completions"]
+    assert completions and "logprobs" in json.dumps(completions[0].get("body")), completions[:2]  # the canary went first
+    assert st["swap"]["last"]["canary_s"] is not None

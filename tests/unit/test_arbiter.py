@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from r3090d.core.arbiter import (
     ArbiterConfig,
+    Close,
     ColdStart,
     EngineView,
     Park,
@@ -126,8 +127,11 @@ RULES = [
     # Rule 5's fallback: no checkpoint here, so a drained stop (and a cold start later).
     ("no-checkpoint-stops-cold", (ready("x", can_checkpoint=False), parked("a", **waits(990))), cfg(),
      (StopCold("x", StopWhy.NO_CHECKPOINT),), "a", None),
+    # A stop would cut what a busy engine runs (a drain is bounded): closed first, stopped once the router says it is idle.
     ("no-checkpoint-busy-past-min", (ready("x", since=0, inflight=2, can_checkpoint=False), cold("a", **waits(990))),
-     cfg(), (StopCold("x", StopWhy.NO_CHECKPOINT),), "a", None),
+     cfg(), (Close("x", StopWhy.NO_CHECKPOINT),), "a", None),
+    ("no-checkpoint-closed-and-idle-stops", (ready("x", since=0, waiting=1, oldest_waiting_at=995, can_checkpoint=False),
+                                             cold("a", **waits(990))), cfg(), (StopCold("x", StopWhy.NO_CHECKPOINT),), "a", None),
     # Rule 5: host memory. LRU eviction, never one with frozen requests, NO_ROOM when it cannot fit.
     ("park-fits", (ready("x"), parked("p"), cold("a", **waits(990))), cfg(budget=2 * COST), (Park("x"),), "a", None),
     ("evict-lru-to-park", (ready("x"), parked("p", last_used_at=50), parked("q", last_used_at=40), cold("a", **waits(990))),
@@ -170,7 +174,7 @@ def test_rules(engines, config, moves, target, recheck_at):
 
 def names_and_kinds(moves) -> list[tuple[str, str, str | None]]:
     """Moves without their free text: kind, engine, and a StopCold's reason."""
-    return [(type(m).__name__, m.name, m.why if isinstance(m, StopCold) else None) for m in moves]
+    return [(type(m).__name__, m.name, m.why if isinstance(m, StopCold | Close) else None) for m in moves]
 
 
 # Rule 1: while an engine's GPU memory moves, no other swap begins.
@@ -389,6 +393,8 @@ def test_plans_keep_the_budget_and_the_frozen_work(world):
         elif isinstance(move, Park):
             assert before.residency is Residency.READY and before.can_checkpoint
             after[move.name] = dataclasses.replace(before, residency=Residency.PARKED)
+        elif isinstance(move, Close):
+            assert before.residency is Residency.READY and before.inflight > 0  # nothing it runs is cut
         else:
             assert isinstance(move, Unpark | ColdStart) and move.name == got.target and not before.failed
             assert before.residency is (Residency.PARKED if isinstance(move, Unpark) else Residency.COLD)

@@ -43,6 +43,7 @@ CARD_KEYS = frozenset({"gpu_lost", "nvml_hung", "gpu_memory", "gpu_temperature",
 IDLE = MetricsSample(
     running=0, waiting=0, generation_tokens_total=100.0, prompt_tokens_total=10.0, kv_usage=0.0
 )
+BUSY = MetricsSample(running=2, waiting=0, generation_tokens_total=100.0, prompt_tokens_total=10.0, kv_usage=0.1)
 
 
 def cfg(**sections) -> config.Config:
@@ -280,7 +281,7 @@ def test_the_same_held_state_alerts_gpu_reset_needed_only_with_card_true():
 def test_stop_cold_on_a_ready_engine_drains_then_leaves_it_cold(exit_):
     r = Run()
     r.bring_in()
-    r.tick(stop_cold_requested=STOP_WHY)
+    r.tick(stop_cold_requested=STOP_WHY, metrics=BUSY)
     assert r.of(StopEngine) == [StopEngine(drain=True, reason=STOP_WHY)]
     assert r.st.phase is Phase.DRAINING and r.st.cold_after and r.st.old_tree == TREE
     assert not r.of(RecordRestart) and "engine_restarted" not in alert_keys(r.acts)
@@ -304,6 +305,15 @@ def test_stop_cold_on_a_ready_engine_drains_then_leaves_it_cold(exit_):
         and r.st.backoff_level == 0
     )
     r.bring_in(gen=2)  # and comes back when asked
+
+
+@pytest.mark.parametrize(("metrics", "drain"), [(IDLE, False), (BUSY, True), (MetricsSample(), True),
+                                              (MetricsSample(error="timeout"), True)], ids=["idle", "busy", "unsaid", "unread"])
+def test_stop_cold_is_fast_only_when_the_engines_own_metrics_say_nothing_runs(metrics, drain):
+    r = Run()
+    r.bring_in()
+    r.tick(stop_cold_requested=STOP_WHY, metrics=metrics)
+    assert r.of(StopEngine) == [StopEngine(drain=drain, reason=STOP_WHY)]
 
 
 def test_stop_cold_loses_to_an_operators_restart_in_the_same_tick():
