@@ -303,13 +303,14 @@ def swap_panel(d: StateDocument, verdict: HealthVerdict, now: float, *, note: st
     swap = d.swap or SwapInfo()
     lines = _header(d, now, note)
     resident = sum(1 for m in d.models if m.resident)
-    lines.append(f"Models     {len(d.models)}, {resident} on the GPU (at most {swap.max_resident}); r3090ctl status --model NAME shows one in full")
+    where = "running" if _no_gpu(d) else "on the GPU"
+    lines.append(f"Models     {len(d.models)}, {resident} {where} (at most {swap.max_resident}); r3090ctl status --model NAME shows one in full")
     rows = [MODEL_COLUMNS] + [model_row(m, now) for m in d.models]
     widths = [max(len(row[i]) for row in rows) for i in range(len(MODEL_COLUMNS))]
     lines.extend(("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))).rstrip() for row in rows)
     lines.extend(swap_lines(swap, now))
     lines.append(router_line(swap))
-    lines.append(host_memory_line(swap))
+    lines.append(host_memory_line(swap, no_gpu=_no_gpu(d)))
     if d.maintenance:
         lines.append("Maintenance on: automatic restarts are paused, and /healthz answers 503")
     heal = d.healing
@@ -392,7 +393,14 @@ def router_line(swap: SwapInfo) -> str:
     return f"Router     {state}; {r.restarts} restart(s){last}; a request waits up to {swap.queue_timeout:g} s for its model"
 
 
-def host_memory_line(swap: SwapInfo) -> str:
+def _no_gpu(d: StateDocument) -> bool:
+    """gpu.required = false: nothing is parked; a swap is a stop and a cold start."""
+    return d.gpu is None or d.gpu.status is GpuStatus.DISABLED
+
+
+def host_memory_line(swap: SwapInfo, *, no_gpu: bool = False) -> str:
+    if no_gpu:
+        return "Host RAM   nothing is parked without a GPU: a swap is a drained stop and a cold start"
     budget = _gib(swap.host_budget_bytes) if swap.host_budget_bytes is not None else "? GiB"
     return f"Host RAM   {_gib(swap.host_parked_bytes)} of {budget} held by parked engines"
 

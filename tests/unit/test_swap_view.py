@@ -522,3 +522,11 @@ def test_status_model_option_names_what_it_cannot_show():
     assert status_cmd.judge(swap, NOW, "coder").line() == "OK: model coder parked"
     stopped = status_cmd.located(False, as_json(swap_doc()), "state-file", None, "/var/lib/r3090d/state.json")
     assert status_cmd.judge(stopped, NOW, "coder").code == exitcodes.UNKNOWN  # not running: as without --model
+
+
+def test_without_a_gpu_the_panel_says_running_and_that_nothing_is_parked():
+    from r3090d.core.snapshot import GpuSample, GpuStatus
+
+    text = "\n".join(panel(swap_doc(gpu=GpuSample(GpuStatus.DISABLED))))
+    assert "Models     3, 1 running (at most 1)" in text
+    assert "Host RAM   nothing is parked without a GPU: a swap is a drained stop and a cold start" in text
