@@ -48,6 +48,7 @@ log = logging.getLogger("r3090d")
 
 SWAP_POLL_S = 0.1  # the loop's interval while a swap is under way: each stage is timed, and routed at once
 HOST_MEMORY_EVERY_S = 5.0  # how often the automatic host-memory budget is read again
+UNPARK_RETRY_S = 5.0  # a resume refused for room is asked again after this, not at every tick
 
 # Phases of an engine's policy as the arbiter sees them.
 _RESIDENCY = {
@@ -118,6 +119,7 @@ class Fleet:
         # park or resume asked again is one swap, not two).
         self.coming: set[str] = set()
         self.leaving: set[str] = set()
+        self.retry_at: dict[str, float] = {}  # an unpark refused: not asked again before then
         self.ready_at: dict[str, tuple[float, int]] = {}  # when each engine was first seen ready, and its canary errors then
         self.seq = 0
         self.table: Table | None = None
@@ -258,7 +260,7 @@ class Fleet:
         return refusal is None or not refusal.unavailable
 
     def _arbitrate(self, now: float) -> None:
-        self._learn_from_parks()
+        self._learn_from_parks(now)
         lent = [name for name, u in self.units.items() if u.st.suspension is not None and not u.st.suspension.parked]
         if lent:
             # The operator lent the GPU (r3090ctl suspend --model): nothing comes onto it until they resume.
@@ -275,52 +277,65 @@ class Fleet:
             log.info("swap: %s", plan.why)
         self.plan = plan
         by_name = {v.name: v for v in views}
-        for move in plan.moves:
-            self._request(move, by_name[move.name], now)
+        asked = [self._request(move, by_name[move.name], now) for move in plan.moves]
+        if any(asked):
+            self.wake.set()  # the next tick takes the request up now, not a poll later
 
-    def _learn_from_parks(self) -> None:
-        """A park the driver undid (kept_running) or cannot do (unavailable): that engine is stopped drained from now on."""
+    def _learn_from_parks(self, now: float) -> None:
+        """A park the driver undid (kept_running) or cannot do (unavailable): that engine is stopped drained from now on.
+        A resume refused (the card has no room yet: someone else took it) is asked again after UNPARK_RETRY_S."""
         for name, unit in self.units.items():
             last, request = unit.st.suspend_last, self.parks.get(name)
             if last is None or request is None or last.request != request:
                 continue
             del self.parks[name]
+            if last.op == "resume" and last.result is Result.REFUSED:
+                self.retry_at[name] = now + UNPARK_RETRY_S
+                log.warning("swap: %s cannot come back yet (%s); asked again in %.0f s", name, last.detail, UNPARK_RETRY_S)
             if last.op == "suspend" and last.result in (Result.KEPT_RUNNING, Result.UNAVAILABLE, Result.REFUSED):
                 if last.result is not Result.REFUSED:
                     self.no_checkpoint.add(name)
                 log.warning("swap: %s could not be parked (%s: %s); %s", name, last.result.value, last.detail,
                             "it is stopped drained instead" if name in self.no_checkpoint else "the arbiter tries again")  # fmt: skip
 
-    def _request(self, move, view: EngineView, now: float) -> None:
+    def _request(self, move, view: EngineView, now: float) -> bool:
+        """Hand a move to its engine's policy (once: a move planned again while under way asks nothing new).
+        True when something new was asked."""
         unit = self.units[move.name]
         pending = unit.pending
         if isinstance(move, Park):
-            if pending.suspend is None and move.name not in self.parks:
-                pending.suspend = self.parks[move.name] = pending.number()
-                pending.park = True
-                self.leaving.add(move.name)
-                self.swaps.begin(self.plan.target, move.name, now, parked=True)
+            if pending.suspend is not None or move.name in self.parks:
+                return False
+            pending.suspend = self.parks[move.name] = pending.number()
+            pending.park = True
+            self.leaving.add(move.name)
+            self.swaps.begin(self.plan.target, move.name, now, parked=True)
         elif isinstance(move, Unpark):
-            if pending.resume is None and move.name not in self.parks:
-                pending.resume = self.parks[move.name] = pending.number()
-                self.coming.add(move.name)
-                self.swaps.begin(move.name, None, now, parked=True, bring_in=True)
+            if pending.resume is not None or move.name in self.parks or now < self.retry_at.get(move.name, 0.0):
+                return False
+            pending.resume = self.parks[move.name] = pending.number()
+            self.coming.add(move.name)
+            self.swaps.begin(move.name, None, now, parked=True, bring_in=True)
         elif isinstance(move, ColdStart):
-            if not pending.start:
-                pending.start = True
-                self.coming.add(move.name)
-                self.swaps.begin(move.name, None, now, parked=False, bring_in=True)
+            if pending.start:
+                return False
+            pending.start = True
+            self.coming.add(move.name)
+            self.swaps.begin(move.name, None, now, parked=False, bring_in=True)
         elif isinstance(move, Close):
-            if move.name not in self.closing:
-                self.closing.add(move.name)
+            if move.name in self.closing:
+                return False
+            self.closing.add(move.name)
+            self.leaving.add(move.name)
+            self.swaps.begin(self.plan.target, move.name, now, parked=False)
+        elif isinstance(move, StopCold):
+            if pending.stop_cold is not None:
+                return False
+            pending.stop_cold = move.detail or f"stopped to cold ({move.why.value})"
+            if move.why is not arbiter.StopWhy.EVICT and move.name not in self.closing:
                 self.leaving.add(move.name)
                 self.swaps.begin(self.plan.target, move.name, now, parked=False)
-        elif isinstance(move, StopCold):
-            if pending.stop_cold is None:
-                pending.stop_cold = move.detail or f"stopped to cold ({move.why.value})"
-                if move.why is not arbiter.StopWhy.EVICT and move.name not in self.closing:
-                    self.leaving.add(move.name)
-                    self.swaps.begin(self.plan.target, move.name, now, parked=False)
+        return True
 
     # ------------------------------------------------------------------ the router's table
 
