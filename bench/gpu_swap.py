@@ -88,7 +88,6 @@ import math
 import os
 import select
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -105,6 +104,7 @@ if str(ROOT) not in sys.path:
 from bench import gpu_idle as gi  # noqa: E402
 from bench import gpu_suspend_daemon as gsd  # noqa: E402
 from r3090d.units import GIB, MIB  # noqa: E402
+from tests.daemon_harness import free_port_block  # noqa: E402
 
 ENGINE = ROOT / "bench" / "gpu_swap_engine.py"
 FAKE_CUDA_DIR = ROOT / "tests" / "fakecuda"
@@ -361,27 +361,6 @@ class DryCard(gi.FakeCard):
 # ------------------------------------------------------------------ the daemon
 
 
-def port_block(n: int) -> int:
-    """The first of n consecutive free ports on 127.0.0.1 (the engines')."""
-    for _ in range(50):
-        base = gi.free_port()
-        if base + n > 65535:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports for the engines")
-
-
 def write_engine_python(base: Path, args) -> Path:
     from shlex import quote
 
@@ -447,7 +426,7 @@ class SwapRun(gi.DaemonRun):
                       "env = { " + ", ".join(f"{k} = {q(v)}" for k, v in env_table.items()) + " }"]  # fmt: skip
         sections = {
             "swap": {"max_resident": 1, "min_residency": MIN_RESIDENCY_S, "drain_timeout": DRAIN_TIMEOUT_S, "queue_timeout": QUEUE_TIMEOUT_S,
-                     "engine_port_base": port_block(len(MODELS)), "host_memory_budget_mib": self.host_budget_mib},
+                     "engine_port_base": free_port_block(len(MODELS)), "host_memory_budget_mib": self.host_budget_mib},
             "gpu": {"required": True, "index": args.gpu, "card": "any"},
             "watchdog": {"poll_interval": WATCHDOG_POLL_S},
             "canary": {"enabled": True, "interval": CANARY_INTERVAL_S},

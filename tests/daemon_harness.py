@@ -25,6 +25,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_block(n: int) -> int:
+    """The first of n consecutive free ports on 127.0.0.1 (swap mode's engines take a block)."""
+    for _ in range(50):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {n} free ports")
+
+
 def toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import pytest
 
 from r3090d.effectors.checkpoint import FAKE_ENV
 from tests.ctl_harness import ctl
-from tests.daemon_harness import DaemonProcess, free_port, toml_value
+from tests.daemon_harness import DaemonProcess, free_port, free_port_block, toml_value
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
@@ -63,7 +62,7 @@ def swap_config(tmp: Path, engine_python: str, runtime_dir: Path, *, models=("al
         if (kinds or {}).get(name):
             lines.append(f"kind = {toml_value(kinds[name])}")
     sections = {
-        "swap": {"min_residency": 0.0, "drain_timeout": 1.0, "queue_timeout": 60.0, "engine_port_base": _port_block(len(models)),
+        "swap": {"min_residency": 0.0, "drain_timeout": 1.0, "queue_timeout": 60.0, "engine_port_base": free_port_block(len(models)),
                  "host_memory_budget_mib": 65536, **(swap or {})},  # this host's own budget may not hold a 15 GiB engine
         "gpu": {"required": gpu, "card": "any"},
         "watchdog": {"poll_interval": 0.2, "health_timeout": 1.0, "metrics_timeout": 1.0, "probe_idle_seconds": 600, "stall_seconds": 30.0,
@@ -79,27 +78,6 @@ def swap_config(tmp: Path, engine_python: str, runtime_dir: Path, *, models=("al
     path = tmp / "swap.toml"
     path.write_text("\n".join(lines) + "\n")
     return path, port, exporter
-
-
-def _port_block(n: int) -> int:
-    """n consecutive free ports (the engines'), found by trying blocks."""
-    for _ in range(50):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports")
 
 
 class Card:
