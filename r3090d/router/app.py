@@ -25,7 +25,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from r3090d.router import replies
 from r3090d.router.link import EngineState
 from r3090d.router.linkclient import LinkClient
-from r3090d.router.upstream import Unreachable, forward, session
+from r3090d.router.upstream import BadAnswer, Unreachable, forward, session
 from r3090d.router.waitroom import QueueTimeout, ShuttingDown, UnknownModel, Waitroom
 
 log = logging.getLogger("r3090d.router")
@@ -127,6 +127,9 @@ class Router:
                     "%s for %s: %s's engine did not answer again (%s); 502", request.path, name, name, second
                 )
                 return replies.unreachable(name)
+        except BadAnswer as exc:
+            log.warning("%s for %s: the engine's answer could not be read (%s); 502", request.path, name, exc)
+            return replies.unreadable(name)
         except UnknownModel:
             return replies.unknown_model(name)
         except QueueTimeout:

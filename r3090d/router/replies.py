@@ -60,3 +60,8 @@ def shutting_down() -> web.Response:
 
 def unreachable(name: str) -> web.Response:
     return error(502, f"The engine serving `{name}` could not be reached.", "BadGatewayError", "model")
+
+
+def unreadable(name: str) -> web.Response:
+    message = f"The engine serving `{name}` answered with something that is not HTTP."
+    return error(502, message, "BadGatewayError", "model")

@@ -44,6 +44,10 @@ class Unreachable(Exception):
         self.refused = refused
 
 
+class BadAnswer(Exception):
+    """The engine's answer was not HTTP that could be read; nothing was sent to the client yet."""
+
+
 def session() -> aiohttp.ClientSession:
     """The one client session: no pool limit (every stream holds a connection), no proxy from the
     environment, no overall timeout (a stream lasts as long as it generates), bodies passed as they are."""
@@ -95,6 +99,8 @@ async def forward(
         raise Unreachable(True, str(exc) or type(exc).__name__) from None
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
         raise Unreachable(False, str(exc) or type(exc).__name__) from None
+    except aiohttp.ClientError as exc:  # it answered, but not in HTTP the client library can read
+        raise BadAnswer(" ".join((str(exc) or type(exc).__name__).split())[:200]) from None
     complete = False
     out = web.StreamResponse(
         status=upstream.status, reason=upstream.reason, headers=response_headers(upstream.headers)

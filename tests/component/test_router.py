@@ -123,8 +123,13 @@ class LinkServer:
         )
 
     def close(self) -> None:
-        self.drop()
+        """The daemon exits: no more connections (shutdown wakes the blocked accept), then the link drops."""
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.listener.close()
+        self.drop()
 
 
 # ----------------------------------------------------------------- a router process
@@ -616,6 +621,49 @@ def test_an_engine_that_dies_mid_stream_cuts_the_clients_stream(start_router, li
     assert wait_until(lambda: complete(r, "chat").status_code == 200, 10, what="the router serving on")
 
 
+def not_http_engine(reply: bytes) -> tuple[str, socket.socket]:
+    """An "engine" that reads a request and answers `reply`, then hangs up."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", listener
+
+
+def test_an_engine_answering_garbage_is_a_502_and_a_short_body_a_cut_stream(start_router, link, doubles):
+    garbage, first = not_http_engine(b"this is not http\r\n\r\n")
+    short, second = not_http_engine(
+        b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"id"'
+    )
+    try:
+        link.send(
+            entry("chat", upstream=garbage),
+            entry("coder", upstream=short),
+            entry("search", doubles["search"]),
+        )
+        r = start_router()
+        bad = wait_until(lambda: complete(r, "chat"), 10, what="an answer")
+        assert bad.status_code == 502 and bad.json()["error"]["type"] == "BadGatewayError"
+        with pytest.raises(httpx.TransportError):  # the client sees an incomplete body, not a complete one
+            complete(r, "coder")
+        assert (
+            http().post(r.url + "/v1/embeddings", json={"model": "search", "input": "x"}).status_code == 200
+        )
+        assert "Traceback" not in r.output()
+    finally:
+        first.close()
+        second.close()
+
+
 # ----------------------------------------------------------------- waiting for a model
 
 
@@ -732,16 +780,22 @@ def test_health_follows_the_link_and_the_models(start_router, link, doubles):
         10,
         what="200 with a parked model: it can queue",
     )
-    link.drop()
+    link.close()  # the daemon is gone, and no other listens yet
     wait_until(
         lambda: http().get(r.url + "/healthz").status_code == 503, 10, what="503 once the daemon is gone"
     )
-    wait_until(lambda: link.connections == 2, 10, what="the router reconnecting")
-    wait_until(
-        lambda: http().get(r.url + "/healthz").status_code == 200,
-        10,
-        what="healthy again after the reconnect",
-    )
+    link.path.unlink()
+    daemon = LinkServer(link.path)  # the daemon's restart
+    try:
+        daemon.send(*all_ready(doubles))
+        wait_until(lambda: daemon.connections == 1, 10, what="the router reconnecting")
+        wait_until(
+            lambda: http().get(r.url + "/healthz").status_code == 200,
+            10,
+            what="healthy again after the reconnect",
+        )
+    finally:
+        daemon.close()
 
 
 def test_a_router_started_before_the_daemon_connects_when_it_comes(start_router, link, doubles, short_dir):
