@@ -846,6 +846,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def setup(self):
         super().setup()
+        # As uvicorn's asyncio transports do: without it, Nagle holds each small SSE chunk until the
+        # client's delayed ACK of the one before (about 40 ms on a keep-alive connection).
+        if self.connection.family in (socket.AF_INET, socket.AF_INET6):
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self.server.app.connections_lock:
             self.server.app.connections.add(self.connection)
 
