@@ -7,20 +7,29 @@ One double (tests/fakevllm) serves `chat`, one engine step every --token-delay s
 load). One router (`python -m r3090d.router`) is linked to a stand-in for the
 daemon that sends one table: `chat` ready and routable. The load generator is
 r3090ctl bench's (r3090d.measure.loadgen): a closed loop of C streams, each
-request 64 tokens with ignore_eos, timed chunk by chunk. Each round runs the
-same requests straight to the double and through the router, in an order that
-alternates from round to round, so that drift in the machine lands on both
-alike. Printed: the median over rounds of TTFT p50 and p90 and of output
-tokens/s, per path; the router's difference and ratio; the router's own CPU
-per round; and where each process was pinned.
+request 64 tokens with ignore_eos, timed chunk by chunk, each on a connection
+of its own (as loadgen does). Each round runs the same requests straight to the
+double and through the router, in an order that alternates from round to round,
+so that drift in the machine lands on both alike. Printed, per placement: the
+median over rounds of TTFT p50 and p90 and of output tokens/s, per path; the
+router's difference and ratio; the router's own CPU; where each process ran;
+and TTFT p50 of one stream at a time with 0.5 ms engine steps (the HTTP path
+itself: the router's own latency, without the load's queueing).
 
-Pinning (taskset; on a 2-core machine): the double on CPU 1, the router on CPU
-0, and the load generator on --loadgen-cpu (0 by default: it shares CPU 0 with
-the router, so what the router's work costs the client is counted against the
-router, an upper bound on its overhead). With more cores the three get a CPU
-each. The goals (issue: the hot path) are at most 1 ms added at p50 TTFT and at
-most 2% fewer tokens/s; they are printed as met or not, and the exit code is 1
-only when a request failed.
+Placement (taskset). With three CPUs or more, the double, the router and the
+load generator get one each. On two, three processes cannot each have a CPU,
+and where the load generator goes decides the figure, so both placements run
+(or the one --loadgen-cpu names), the double on CPU 1 and the router on CPU 0
+in both:
+  - load generator on CPU 0, with the router: the router's work delays the
+    client's, and every hand-off between them waits for the other's time slice;
+    an upper bound on the router's cost;
+  - load generator on CPU 1, with the double: the router has a CPU to itself,
+    and, holding keep-alive connections to the double, spares it the accept and
+    thread of a new connection per request that the direct path pays.
+The goals (the hot path: at most 1 ms added at p50 TTFT, at most 2% fewer
+tokens/s) are printed as met or not for each; the exit code is 1 only when a
+request failed.
 """
 
 from __future__ import annotations
@@ -35,7 +44,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -49,6 +61,8 @@ from tests.waiting import wait_until  # noqa: E402
 
 MODEL = "chat"
 OUTPUT_TOKENS = 64
+SINGLE_REQUESTS = 40
+SINGLE_STEP_S = 0.0005
 GOAL_TTFT_ADDED_S = 0.001
 GOAL_TOKENS_RATIO = 0.98
 
@@ -57,29 +71,32 @@ def pinned(cpu: int | None, argv: list[str]) -> list[str]:
     return ["taskset", "-c", str(cpu), *argv] if cpu is not None else argv
 
 
-def cpu_plan(loadgen_cpu: int | None) -> tuple[int | None, int | None, int | None, str]:
-    """(double, router, load generator) CPUs, and a sentence saying so."""
+@dataclass(frozen=True)
+class Placement:
+    double: int | None
+    router: int | None
+    client: int | None
+
+    def describe(self) -> str:
+        if self.client is None:
+            return "not pinned"
+        shared = {self.router: "the router", self.double: "the double"}.get(self.client)
+        return (
+            f"double on CPU {self.double}, router on CPU {self.router}, load generator on CPU {self.client}"
+            + (f" (shared with {shared})" if shared else "")
+        )
+
+
+def placements(loadgen_cpu: int | None) -> list[Placement]:
     cpus = sorted(os.sched_getaffinity(0))
     if shutil.which("taskset") is None or len(cpus) < 2:
-        return (
-            None,
-            None,
-            None,
-            f"not pinned (taskset {'missing' if shutil.which('taskset') is None else 'pointless'} on {len(cpus)} CPU(s))",
-        )
-    if len(cpus) >= 3 and loadgen_cpu is None:
-        double, router, client = cpus[1], cpus[0], cpus[2]
-    else:
-        double, router = cpus[1], cpus[0]
-        client = cpus[0] if loadgen_cpu is None else loadgen_cpu
-    shared = {router: "router", double: "double"}.get(client)
-    note = f" (shared with the {shared})" if shared else ""
-    return (
-        double,
-        router,
-        client,
-        f"double on CPU {double}, router on CPU {router}, load generator on CPU {client}{note}; {len(cpus)} CPUs",
-    )
+        return [Placement(None, None, None)]
+    double, router = cpus[1], cpus[0]
+    if loadgen_cpu is not None:
+        return [Placement(double, router, loadgen_cpu)]
+    if len(cpus) >= 3:
+        return [Placement(double, router, cpus[2])]
+    return [Placement(double, router, router), Placement(double, router, double)]
 
 
 class OneTableLink:
@@ -118,10 +135,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def one_round(url: str, prompts: list[str], concurrency: int) -> loadgen.RoundSummary:
-    target = loadgen.Target(
-        url=url, model=MODEL, max_tokens=OUTPUT_TOKENS, ignore_eos=True, continuous_usage=False
-    )
+async def one_round(
+    url: str, prompts: list[str], concurrency: int, tokens: int = OUTPUT_TOKENS
+) -> loadgen.RoundSummary:
+    target = loadgen.Target(url=url, model=MODEL, max_tokens=tokens, ignore_eos=True, continuous_usage=False)
     async with loadgen.make_client(concurrency + 8) as client:
         results, wall = await loadgen.run_round(client, target, prompts, concurrency)
     return loadgen.summarize_round(results, concurrency, wall)
@@ -129,6 +146,117 @@ async def one_round(url: str, prompts: list[str], concurrency: int) -> loadgen.R
 
 def ms(seconds: float | None) -> str:
     return fmt(None if seconds is None else seconds * 1000, ".2f")
+
+
+@dataclass
+class Measured:
+    placement: Placement
+    levels: dict[str, loadgen.LevelSummary]
+    router_cpu_share: float
+    single: dict[str, loadgen.LevelSummary]
+
+
+def measure(placement: Placement, args: argparse.Namespace, requests: int) -> Measured:
+    """One double and one router, started for this placement; warm-up, then the interleaved rounds."""
+    if placement.client is not None:
+        os.sched_setaffinity(0, {placement.client})
+    tmp = Path(tempfile.mkdtemp(prefix="r3090d-bench-router-", dir="/tmp"))
+    double = FakeVllm(sys.executable, "--fake-token-delay", str(args.token_delay), served_model_name=MODEL,
+                      log_path=tmp / "double.log", env={"PYTHONPATH": str(SHIM_DIR)})  # fmt: skip
+    double.argv = pinned(placement.double, double.argv)
+    link: OneTableLink | None = None
+    router_port = free_port()
+    router_log = open(tmp / "router.log", "wb")  # closed in finally
+    router = None
+    try:
+        double.start()
+        double.wait_healthy(30)
+        ready = ModelEntry(MODEL, ModelKind.GENERATE, EngineState.READY, True, double.url, "")
+        link = OneTableLink(tmp / "router.sock", Table(1, (ready,)))
+        router_argv = [sys.executable, "-m", "r3090d.router", "--host", "127.0.0.1", "--port", str(router_port),
+                       "--link", str(tmp / "router.sock"), "--queue-timeout", "30", "--max-body-bytes", str(1 << 20)]  # fmt: skip
+        router = subprocess.Popen(
+            pinned(placement.router, router_argv), cwd=ROOT, stdout=router_log, stderr=subprocess.STDOUT
+        )
+        router_url = f"http://127.0.0.1:{router_port}"
+        wait_until(lambda: http().get(router_url + "/healthz").status_code == 200, 30, what="the router linked",
+                   ignoring=(httpx.HTTPError,))  # fmt: skip
+        say(f"double at {double.url}, router at {router_url}; {placement.describe()}")
+        prompts = [f"request {i} of the round: tell me about the quick brown fox" for i in range(requests)]
+        paths = {"direct": double.url, "router": router_url}
+        for url in paths.values():  # warm-up: connections, the router's pool, the double's threads
+            asyncio.run(one_round(url, prompts[: args.concurrency], args.concurrency))
+        rounds: dict[str, list[loadgen.RoundSummary]] = {"direct": [], "router": []}
+        cpu_share: list[float] = []
+        for r in range(args.rounds):
+            for name in ["direct", "router"] if r % 2 == 0 else ["router", "direct"]:
+                before = cpu_seconds(router.pid)
+                summary = asyncio.run(one_round(paths[name], prompts, args.concurrency))
+                if name == "router":
+                    cpu_share.append((cpu_seconds(router.pid) - before) / summary.wall_s)
+                rounds[name].append(summary)
+                if summary.failed and (double.proc.poll() is not None or double.state().get("engine_dead")):
+                    # Not the router's doing: something outside this benchmark ended the double's engine.
+                    raise SystemExit(
+                        f"the double's engine died in round {r + 1} ({summary.failures}); run again on a quiet machine"
+                    )
+                say(f"round {r + 1}/{args.rounds} {name}: TTFT p50 {ms(summary.ttft.p50)} ms, {summary.output_tok_s:.0f} tokens/s, "
+                    f"{summary.failed} failed {summary.failures or ''}")  # fmt: skip
+        # One stream at a time, 2 tokens each, engine steps of 0.5 ms: TTFT is the HTTP path itself,
+        # without the load's queueing: the router's own latency.
+        double.control(token_delay=SINGLE_STEP_S)  # so that no wait for the engine's next step hides the path
+        single: dict[str, list[loadgen.RoundSummary]] = {"direct": [], "router": []}
+        for r in range(args.rounds):
+            for name in ["direct", "router"] if r % 2 == 0 else ["router", "direct"]:
+                single[name].append(
+                    asyncio.run(one_round(paths[name], prompts[:SINGLE_REQUESTS], 1, tokens=2))
+                )
+    finally:
+        if router is not None:
+            router.kill()
+            router.wait(5)
+        router_log.close()
+        double.kill_all()
+        if link is not None:
+            link.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+    levels = {name: loadgen.summarize_level(rs) for name, rs in rounds.items()}
+    alone = {name: loadgen.summarize_level(rs) for name, rs in single.items()}
+    return Measured(placement, levels, statistics.median(cpu_share), alone)
+
+
+def report(m: Measured) -> list[str]:
+    direct, routed = m.levels["direct"], m.levels["router"]
+    rows = [
+        [
+            name,
+            ms(level.ttft.p50),
+            ms(level.ttft.p90),
+            fmt(level.output_tok_s, ".0f"),
+            str(level.completed),
+            str(level.failed),
+        ]
+        for name, level in m.levels.items()
+    ]
+    added_p50 = routed.ttft.p50 - direct.ttft.p50
+    added_p90 = routed.ttft.p90 - direct.ttft.p90
+    ratio = routed.output_tok_s / direct.output_tok_s
+    rows.append(
+        ["router - direct", f"{added_p50 * 1000:+.2f}", f"{added_p90 * 1000:+.2f}", f"x{ratio:.4f}", "", ""]
+    )
+    met_ttft = "met" if added_p50 <= GOAL_TTFT_ADDED_S else "NOT met"
+    met_tokens = "met" if ratio >= GOAL_TOKENS_RATIO else "NOT met"
+    return [
+        f"placement: {m.placement.describe()}",
+        table(["path", "TTFT p50 ms", "TTFT p90 ms", "tokens/s", "completed", "failed"], rows),
+        f"router CPU: {m.router_cpu_share * 100:.0f}% of one core while streaming (median over rounds), "
+        f"{m.router_cpu_share / routed.output_tok_s * 1e6:.0f} us per token passed",
+        f"one stream at a time ({SINGLE_REQUESTS} requests a round): TTFT p50 direct {ms(m.single['direct'].ttft.p50)} ms, "
+        f"router {ms(m.single['router'].ttft.p50)} ms, "
+        f"added {(m.single['router'].ttft.p50 - m.single['direct'].ttft.p50) * 1000:+.2f} ms",
+        f"goal <= {GOAL_TTFT_ADDED_S * 1000:g} ms added at p50 TTFT: {met_ttft} ({added_p50 * 1000:+.2f} ms); "
+        f"goal >= {GOAL_TOKENS_RATIO:.0%} of direct tokens/s: {met_tokens} ({ratio:.2%})",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,113 +273,22 @@ def main(argv: list[str] | None = None) -> int:
         "--loadgen-cpu",
         type=int,
         default=None,
-        help="pin the load generator to this CPU (default: its own if there is a third, else CPU 0)",
+        help="only this placement of the load generator (default: see above)",
     )
     args = cli.parse_args(argv)
     requests = args.requests or 4 * args.concurrency
-    double_cpu, router_cpu, client_cpu, pinning = cpu_plan(args.loadgen_cpu)
-    if client_cpu is not None:
-        os.sched_setaffinity(0, {client_cpu})
-
     load_before = os.getloadavg()[0]
-    tmp = Path(tempfile.mkdtemp(prefix="r3090d-bench-router-", dir="/tmp"))
-    double = FakeVllm(sys.executable, "--fake-token-delay", str(args.token_delay), served_model_name=MODEL, log_path=tmp / "double.log",
-                      env={"PYTHONPATH": str(SHIM_DIR)})  # fmt: skip
-    double.argv = pinned(double_cpu, double.argv)
-    link: OneTableLink | None = None
-    router_port = free_port()
-    router_log = open(tmp / "router.log", "wb")
-    router = None
-    try:
-        double.start()
-        double.wait_healthy(30)
-        link = OneTableLink(
-            tmp / "router.sock",
-            Table(1, (ModelEntry(MODEL, ModelKind.GENERATE, EngineState.READY, True, double.url, ""),)),
-        )
-        router_argv = [sys.executable, "-m", "r3090d.router", "--host", "127.0.0.1", "--port", str(router_port),
-                       "--link", str(tmp / "router.sock"), "--queue-timeout", "30", "--max-body-bytes", str(1 << 20)]  # fmt: skip
-        router = subprocess.Popen(
-            pinned(router_cpu, router_argv), cwd=ROOT, stdout=router_log, stderr=subprocess.STDOUT
-        )
-        router_url = f"http://127.0.0.1:{router_port}"
-        wait_until(
-            lambda: http().get(router_url + "/healthz").status_code == 200,
-            30,
-            what="the router linked",
-            ignoring=(OSError, Exception),
-        )
-        say(f"double at {double.url}, router at {router_url}; {pinning}")
-
-        prompts = [f"request {i} of the round: tell me about the quick brown fox" for i in range(requests)]
-        paths = {"direct": double.url, "router": router_url}
-        say("warm-up: one round each")
-        for url in paths.values():
-            asyncio.run(one_round(url, prompts[: args.concurrency], args.concurrency))
-        rounds: dict[str, list[loadgen.RoundSummary]] = {"direct": [], "router": []}
-        router_cpu_share: list[float] = []
-        for r in range(args.rounds):
-            order = ["direct", "router"] if r % 2 == 0 else ["router", "direct"]
-            for name in order:
-                before = cpu_seconds(router.pid)
-                summary = asyncio.run(one_round(paths[name], prompts, args.concurrency))
-                if name == "router":
-                    router_cpu_share.append((cpu_seconds(router.pid) - before) / summary.wall_s)
-                rounds[name].append(summary)
-                if summary.failed and (double.proc.poll() is not None or double.state().get("engine_dead")):
-                    # Not the router's doing: something outside this benchmark ended the double's engine.
-                    raise SystemExit(
-                        f"the double's engine died during round {r + 1} ({summary.failures}); run again on a quiet machine"
-                    )
-                say(
-                    f"round {r + 1}/{args.rounds} {name}: TTFT p50 {ms(summary.ttft.p50)} ms, {summary.output_tok_s:.0f} tokens/s, {summary.failed} failed {summary.failures}"
-                )
-    finally:
-        if router is not None:
-            router.kill()
-            router.wait(5)
-        router_log.close()
-        double.kill_all()
-        if link is not None:
-            link.close()
-
-    levels = {name: loadgen.summarize_level(rs) for name, rs in rounds.items()}
-    direct, routed = levels["direct"], levels["router"]
-    rows = [
-        [
-            name,
-            ms(level.ttft.p50),
-            ms(level.ttft.p90),
-            fmt(level.output_tok_s, ".0f"),
-            str(level.completed),
-            str(level.failed),
-        ]
-        for name, level in levels.items()
-    ]
-    added_p50 = routed.ttft.p50 - direct.ttft.p50
-    added_p90 = routed.ttft.p90 - direct.ttft.p90
-    ratio = routed.output_tok_s / direct.output_tok_s
-    rows.append(
-        ["router - direct", f"{added_p50 * 1000:+.2f}", f"{added_p90 * 1000:+.2f}", f"x{ratio:.4f}", "", ""]
-    )
+    measured = [measure(placement, args, requests) for placement in placements(args.loadgen_cpu)]
     print(f"router hot path: {args.concurrency} streams, {OUTPUT_TOKENS} tokens each, {requests} requests per round and path, "
-          f"median of {args.rounds} interleaved rounds; double step {args.token_delay:g} s")  # fmt: skip
-    print(f"pinning: {pinning}")
+          f"median of {args.rounds} interleaved rounds; double step {args.token_delay:g} s; {os.cpu_count()} CPUs")  # fmt: skip
     print(
         f"load average (1 min) before and after: {load_before:.2f}, {os.getloadavg()[0]:.2f} (other work on the machine shows here)"
     )
-    print(table(["path", "TTFT p50 ms", "TTFT p90 ms", "tokens/s", "completed", "failed"], rows))
-    print(
-        f"router CPU: {statistics.median(router_cpu_share) * 100:.0f}% of one core while streaming (median over rounds)"
-    )
-    met_ttft = "met" if added_p50 <= GOAL_TTFT_ADDED_S else "NOT met"
-    met_tokens = "met" if ratio >= GOAL_TOKENS_RATIO else "NOT met"
-    print(
-        f"goal: <= {GOAL_TTFT_ADDED_S * 1000:g} ms added at p50 TTFT: {met_ttft} ({added_p50 * 1000:+.2f} ms)"
-    )
-    print(f"goal: >= {GOAL_TOKENS_RATIO:.0%} of direct tokens/s: {met_tokens} ({ratio:.2%})")
-    shutil.rmtree(tmp, ignore_errors=True)
-    return 1 if direct.failed or routed.failed else 0
+    for m in measured:
+        print()
+        print("\n".join(report(m)))
+    failed = any(level.failed for m in measured for level in m.levels.values())
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
