@@ -41,10 +41,11 @@ class LinkClient:
         """Waitroom's on_change: send now when urgent or the interval has passed, else once it has."""
         if self._writer is None:
             return
-        wait = 0.0 if urgent else self._last_sent_at + DEMAND_INTERVAL_S - time.monotonic()
-        if wait <= 0:
+        if urgent:
             self._send_demand()
         elif self._pending is None:
+            # Later in this loop turn at the soonest: a request that just started goes to its engine first.
+            wait = max(0.0, self._last_sent_at + DEMAND_INTERVAL_S - time.monotonic())
             self._pending = asyncio.get_running_loop().call_later(wait, self._send_demand)
 
     def _send_demand(self) -> None:
