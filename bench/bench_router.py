@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"router hot path: {args.concurrency} streams, {OUTPUT_TOKENS} tokens each, {requests} requests per round and path, "
           f"median of {args.rounds} interleaved rounds; double step {args.token_delay:g} s; {os.cpu_count()} CPUs")  # fmt: skip
     print(
-        f"load average (1 min) before and after: {load_before:.2f}, {os.getloadavg()[0]:.2f} (other work on the machine shows here)"
+        f"load average (1 min): {load_before:.2f} before (other work on the machine), {os.getloadavg()[0]:.2f} after (this run's own threads count too)"
     )
     for m in measured:
         print()
