@@ -36,7 +36,6 @@ class LinkServer:
         self.conn: socket.socket | None = None
         self.sent: Table | None = None  # what the connected router has
         self.demand = Demand(models={})
-        self.demand_seen = False  # a demand has come from the router now connected
         self.listener: socket.socket | None = None
         self.closed = False
 
@@ -67,7 +66,7 @@ class LinkServer:
                 conn.close()
                 continue
             with self.lock:
-                old, self.conn, self.sent, self.demand_seen = self.conn, conn, None, False
+                old, self.conn, self.sent = self.conn, conn, None
                 self.demand = Demand(models={})
             if old is not None:
                 _close(old)
@@ -106,7 +105,7 @@ class LinkServer:
         if isinstance(msg, Demand):
             with self.lock:
                 changed = msg != self.demand
-                self.demand, self.demand_seen = msg, True
+                self.demand = msg
             if changed:
                 self.wake.set()
 
