@@ -1049,20 +1049,8 @@ class Handler(BaseHTTPRequestHandler):
         app.stream_started()
         try:
             gen = app.engine.submit(prompt_tokens, 1, None)
-            while True:
-                try:
-                    event = gen.events.get(timeout=0.25)
-                except queue.Empty:
-                    if self._client_gone():
-                        app.engine.abort(gen)
-                        self.close_connection = True
-                        return
-                    continue
-                if event[0] == "error":
-                    self._json(500, error_body(event[1], "InternalServerError", 500))
-                    return
-                if event[2]:
-                    break
+            if self._finished(gen) is None:
+                return
         finally:
             app.stream_ended()
         data = []
@@ -1115,7 +1103,9 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             app.stream_ended()
 
-    def _complete(self, gen: Generation, answer: Answer, chat: bool, model: str):
+    def _finished(self, gen: Generation) -> tuple[int, str] | None:
+        """Waits for the generation's last event: (tokens generated, finish reason); None when it ended otherwise
+        (the client left: aborted; the engine failed: a 500 sent)."""
         app = self.server.app
         while True:
             try:
@@ -1124,14 +1114,20 @@ class Handler(BaseHTTPRequestHandler):
                 if self._client_gone():
                     app.engine.abort(gen)
                     self.close_connection = True
-                    return
+                    return None
                 continue
             if event[0] == "error":
                 self._json(500, error_body(event[1], "InternalServerError", 500))
-                return
+                return None
             _, generated, finish = event
             if finish:
-                break
+                return generated, finish
+
+    def _complete(self, gen: Generation, answer: Answer, chat: bool, model: str):
+        done = self._finished(gen)
+        if done is None:
+            return
+        generated, finish = done
         text = answer.text(0, generated)
         usage = {"prompt_tokens": gen.prompt_tokens, "total_tokens": gen.prompt_tokens + generated,
                  "completion_tokens": generated, "prompt_tokens_details": None}  # fmt: skip
