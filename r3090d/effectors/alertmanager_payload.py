@@ -81,6 +81,11 @@ class PostState(enum.StrEnum):
     RESOLVED = "resolved"
 
 
+def model_key(key: str, model: str) -> str:
+    """Swap mode's key of an engine's alert: its condition and its served model (split_key reads it back)."""
+    return f"{key}:{model}"
+
+
 def split_key(key: str) -> tuple[str, str | None]:
     """An alert's key as (the condition, the served model): swap mode keys an engine's alerts KEY:MODEL."""
     base, _, model = key.partition(":")

@@ -34,6 +34,7 @@ from r3090d.core.snapshot import Snapshot
 from r3090d.core.suspension import Result
 from r3090d.core.vocabulary import Phase
 from r3090d.effectors import alertformat
+from r3090d.effectors.alertmanager_payload import model_key
 from r3090d.effectors.routerproc import RouterProcess, router_argv, router_env
 from r3090d.probes.hostmem import read_host_memory
 from r3090d.router.link import EngineState, ModelDemand, ModelEntry, ModelKind, Table
@@ -192,7 +193,7 @@ class Fleet:
     @staticmethod
     def _labelled(action: SendAlert, name: str) -> SendAlert:
         """An engine's alert names its model: two models' `dead` alerts are two alerts."""
-        return dataclasses.replace(action, key=f"{action.key}:{name}", summary=f"{name}: {action.summary}")
+        return dataclasses.replace(action, key=model_key(action.key, name), summary=f"{name}: {action.summary}")
 
     def _count_swaps(self, name: str, where: Residency) -> None:
         if name in self.coming and where in (Residency.READY, Residency.FAILED):

@@ -13,6 +13,7 @@ import time
 
 from r3090d.core.actions import SaveSuspension
 from r3090d.core.vocabulary import Phase
+from r3090d.effectors.alertmanager_payload import model_key
 from r3090d.service import commands, resethold
 from r3090d.service.daemon import STARTING_POLL_S, Daemon, collect_garbage
 from r3090d.service.fleet import Fleet
@@ -82,7 +83,7 @@ class SwapDaemon(Daemon):
     def firing(self) -> dict:
         firing = dict(self.fleet.card.alerts.firing())
         for name, unit in self.fleet.units.items():
-            firing.update({f"{key}:{name}": entry for key, entry in unit.st.alerts.firing().items()})
+            firing.update({model_key(key, name): entry for key, entry in unit.st.alerts.firing().items()})
         return firing
 
     def publish(self, tick_s: float) -> None:
