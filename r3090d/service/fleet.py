@@ -88,17 +88,23 @@ def unit_config(cfg: Config, ucfg: Config) -> Config:
 
 
 class Fleet:
-    def __init__(self, cfg: Config, wake, *, gpu_monitor=None, engine_version=None):
+    def __init__(self, cfg: Config, wake, *, gpu_monitor=None, engine_version=None, units=None, link=None, router=None,
+                 clock=time.monotonic):  # fmt: skip
+        """`units`, `link`, `router` and `clock` are the real ones unless given: the liveness test runs the fleet's
+        whole logic over simulated engines, router and time (tests/fleetsim.py)."""
         self.cfg = cfg
         self.wake = wake
-        self.units: dict[str, EngineUnit] = {}
-        for name, ucfg in engine_configs(cfg).items():
-            ucfg = unit_config(cfg, ucfg)
-            argv = argvmod.build_argv(ucfg, engine_version)
-            self.units[name] = EngineUnit(ucfg, argv, wake, gpu_monitor=gpu_monitor, engine_version=engine_version, name=name, cold=True)
+        self.clock = clock
+        if units is None:
+            units = {}
+            for name, ucfg in engine_configs(cfg).items():
+                ucfg = unit_config(cfg, ucfg)
+                argv = argvmod.build_argv(ucfg, engine_version)
+                units[name] = EngineUnit(ucfg, argv, wake, gpu_monitor=gpu_monitor, engine_version=engine_version, name=name, cold=True)
+        self.units: dict[str, EngineUnit] = units
         self.card = CardState()
-        self.link = LinkServer(cfg.daemon.runtime_dir, wake)
-        self.router = RouterProcess(
+        self.link = link if link is not None else LinkServer(cfg.daemon.runtime_dir, wake)
+        self.router = router if router is not None else RouterProcess(
             router_argv(cfg.engine.host, cfg.engine.port, str(self.link.path), cfg.swap.queue_timeout, cfg.swap.max_body_mib * MIB,
                         cfg.swap.api_key_file),
             router_env(dict(os.environ)), wake,
@@ -129,7 +135,7 @@ class Fleet:
 
     def start(self) -> None:
         self.link.start()
-        self.router.keep_running(time.monotonic())
+        self.router.keep_running(self.clock())
 
     def close(self) -> None:
         """The router last: the streams it holds toward draining engines end with them."""
@@ -145,7 +151,7 @@ class Fleet:
     # ------------------------------------------------------------------ one tick
 
     def tick(self, *, shutdown: bool, alerts, gpu_name: str | None) -> int | None:
-        now = time.monotonic()
+        now = self.clock()
         if not shutdown:
             self.router.keep_running(now)
         self.snaps = {name: unit.snapshot(shutdown=shutdown) for name, unit in self.units.items()}
@@ -176,13 +182,13 @@ class Fleet:
             self._publish(now)
             return exitcodes.OK if len(self.exited) == len(self.units) else None
         # A swap whose target has just become ready ends before the next one can begin in this tick.
-        decided_at = time.monotonic()
+        decided_at = self.clock()
         routable = {n for n, u in self.units.items() if self.routable(n, u, now)}
         ended = self.swaps.observe(self.units, decided_at, routable=routable, closing=self.closing)
         self._arbitrate(now)
         self._publish(now)
         if ended:
-            self.swaps.routed(time.monotonic() - decided_at)  # the table with the target routable has gone out
+            self.swaps.routed(self.clock() - decided_at)  # the table with the target routable has gone out
         return None
 
     def _alert(self, action: SendAlert, alerts) -> None:
@@ -381,7 +387,7 @@ class Fleet:
             return {"ok": True, "message": f"{name} is already resident and ready"}
         if where is Residency.FAILED:
             return {"ok": False, "error": f"{name} is {unit.st.phase.value}: r3090ctl restart --model {name} first"}
-        self.wanted.setdefault(name, time.monotonic())
+        self.wanted.setdefault(name, self.clock())
         self.wake.set()
         return {"ok": True, "message": f"accepted: bringing {name} in ({where.value} now)"}
 
@@ -437,7 +443,7 @@ class Fleet:
         if self.swapping or any(u.st.phase is Phase.STARTING for u in self.units.values()):
             return min(base, SWAP_POLL_S)
         if self.plan.recheck_at is not None:
-            return max(0.0, min(base, self.plan.recheck_at - time.monotonic()))
+            return max(0.0, min(base, self.plan.recheck_at - self.clock()))
         return base
 
     def pids(self) -> tuple[int, ...]:
