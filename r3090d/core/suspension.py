@@ -349,17 +349,19 @@ def _gone_cold(s: Suspension, snap: Snapshot, now: float) -> Move:
     """The engine died while being suspended or while suspended: the suspension stands, without an engine."""
     child = snap.child
     code = f" with code {child.exit_code}" if child.exit_code is not None else ""
-    if s.stage is Stage.DRAINING:
+    if s.stage in (Stage.DRAINING, Stage.BASELINING):
         text = f"the engine exited{code} while draining for a suspend: the GPU is free; {HOW_TO_RESUME} starts it cold"
     else:
         text = f"the suspended engine exited{code} (OOM-killed? its host memory grew by {_gib(s.bytes)}); {HOW_TO_RESUME} starts it cold"
     since = s.since if s.since is not None else now
     # A request under way gets its answer: a suspend is done (the GPU is free), a resume is not.
+    # Every stage of a request under way ends in its answer: one left unanswered would hold `suspend --wait`, and
+    # swap mode's park or unpark, for ever.
     result = None
-    if s.stage in (Stage.DRAINING, Stage.CHECKPOINTING) or (s.stage is Stage.QUERYING and not s.resuming):
-        result = SuspendResult(s.request, "suspend", Result.SUSPENDED, text, now)
-    elif s.resuming:
+    if s.resuming:
         result = SuspendResult(s.request, "resume", Result.REFUSED, text, now)
+    elif s.stage is not Stage.SUSPENDED:  # draining, baselining, checkpointing, querying: the suspend under way
+        result = SuspendResult(s.request, "suspend", Result.SUSPENDED, text, now)
     s = _to(s, Stage.SUSPENDED, now, cold=True, since=since, since_wall=s.since_wall if s.since_wall is not None else snap.wall, error=text,
             resuming=False, op_sent_at=None)  # fmt: skip
     actions: list[Action] = [SaveSuspension(s.record(None))]

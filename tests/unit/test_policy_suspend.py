@@ -508,3 +508,45 @@ def test_a_driver_call_past_its_deadline_alerts_suspend_stuck():
     r.tick(suspender=stuck)
     assert r.alerts("suspend_stuck") == ["firing"] and r.st.phase is Phase.SUSPENDING
     assert "has not returned" in r.st.alerts.get("suspend_stuck").summary
+
+
+# Every stage of a suspend or resume under way, the engine dying in it: (stage, resuming, the worker's last word).
+# The worker's word is what it says once the engine under it has gone (a call that fails, or no result at all).
+DYING_IN = [
+    (Stage.DRAINING, False, None),
+    (Stage.BASELINING, False, None),
+    (Stage.CHECKPOINTING, False, Outcome.UNKNOWN),
+    (Stage.CHECKPOINTING, False, Outcome.FAILED),
+    (Stage.CHECKPOINTING, False, Outcome.SUSPENDED),
+    (Stage.QUERYING, False, Outcome.FAILED),
+    (Stage.CHECKING, True, None),
+    (Stage.RESTORING, True, Outcome.UNKNOWN),
+    (Stage.RESTORING, True, Outcome.FAILED),
+    (Stage.QUERYING, True, Outcome.FAILED),
+    (Stage.VERIFYING, True, None),
+    (Stage.CANARY, True, None),
+]
+
+
+@pytest.mark.parametrize("parked", [False, True], ids=["single", "swap"])
+@pytest.mark.parametrize(("stage", "resuming", "outcome"), DYING_IN, ids=lambda v: getattr(v, "value", str(v)))
+def test_an_engine_that_dies_in_any_stage_answers_the_request_under_way(stage, resuming, outcome, parked):
+    """`suspend --wait` (and swap mode's park or unpark) waits for the answer: no stage may leave it without one."""
+    c = cfg(canary={"enabled": True})
+    request = 7
+    s = suspension.Suspension(stage, 10.0, request, resuming=resuming, target=CORE, bytes=HELD, op_sent_at=10.0, parked=parked,
+                              since=5.0 if resuming else None)  # fmt: skip
+    st = dataclasses.replace(policy.initial_state(0.0), phase=s.phase, phase_since=10.0, generation=1, suspension=s)
+    dead = child(1, pid=API, alive=False, tree=(), exit_code=-9)
+    w = worker(Op.RESUME if resuming else Op.SUSPEND, 10.01, outcome) if outcome is not None else None
+    now = 10.0
+    for _ in range(5):
+        now += 0.5
+        acts, st = policy.decide(snap(now, ch=dead, gpu=card(now, procs=()), metrics=IDLE, suspender=w), st, c, now, card=not parked)
+        if any(isinstance(a, QueryEngineState) for a in acts):  # the driver, asked of a process that has gone, cannot say
+            w = SuspendSample(op=Op.STATE, pid=CORE, started_at=now + 0.01, finished_at=now + 0.02, outcome=Outcome.FAILED,
+                              error="no such process")  # fmt: skip
+        if st.suspend_last is not None and st.suspend_last.request == request:
+            break
+    assert st.suspend_last is not None and st.suspend_last.request == request, f"{stage} left request {request} unanswered ({st.phase})"
+    assert st.suspend_last.op == ("resume" if resuming else "suspend")
