@@ -6,14 +6,16 @@ of its demand. Its rules:
 
 1. One swap at a time: while an engine is starting, parking, resuming or stopping
    nothing is brought in and nothing is parked. Evicting a parked engine (it holds
-   no GPU memory) may still happen.
+   no GPU memory) may still happen. An engine whose start waits for memory held
+   outside r3090d is not in transition: it blocks nothing.
 2. An engine wants the GPU when requests wait for it at the router, or when it is
    parked with requests frozen in it. Its turn is its oldest waiting request (or
    the moment it was parked, for frozen ones, whichever is older); the target is
    the engine out of the GPU with the earliest turn: arrival order across models,
    and a model's waiting requests all go together once it is resident.
 3. Below `max_resident` the target comes in: resumed when parked, cold-started when cold.
-4. Otherwise a ready engine makes room: an idle one first (least recently used
+4. Otherwise a resident engine makes room: one waiting for memory held outside
+   r3090d first (it gives its place up at no cost), then an idle ready one (least recently used
    first), else one resident at least `min_residency`, busy or not (its requests
    are frozen with it and come back in its turn: no busy model starves another
    for ever). None: nothing moves, and `recheck_at` says when one will be. An
@@ -46,6 +48,7 @@ class Residency(enum.StrEnum):
 
     COLD = "cold"  # no process
     STARTING = "starting"
+    WAITING = "waiting"  # its start waits for GPU memory that processes outside r3090d hold
     READY = "ready"  # resident, serving
     PARKING = "parking"  # draining, then its GPU memory going to host RAM
     PARKED = "parked"  # suspended: its GPU memory in host RAM, its process frozen
@@ -56,8 +59,9 @@ class Residency(enum.StrEnum):
 
 # Moves of GPU memory in progress: while one is, no other swap begins (rule 1).
 IN_TRANSITION = frozenset({Residency.STARTING, Residency.PARKING, Residency.RESUMING, Residency.STOPPING})
-# Engines that hold (or are taking) a place on the GPU, counted against max_resident.
-RESIDENT = frozenset({Residency.READY, Residency.STARTING, Residency.RESUMING})
+# Engines that hold (or are taking) a place on the GPU, counted against max_resident. A waiting engine keeps its
+# place but moves nothing: it is not in transition, and it gives its place up first (it holds no memory).
+RESIDENT = frozenset({Residency.READY, Residency.STARTING, Residency.RESUMING, Residency.WAITING})
 # Engines whose GPU memory is (or is going) into host RAM, counted against the host budget.
 IN_HOST_MEMORY = frozenset({Residency.PARKING, Residency.PARKED})
 
@@ -108,6 +112,7 @@ class StopWhy(enum.StrEnum):
     EVICT = "evict"  # a parked engine stopped to make room in host memory
     NO_CHECKPOINT = "no_checkpoint"  # the card or driver cannot suspend it: a drained stop instead of parking
     NO_ROOM = "no_room"  # host memory cannot hold it parked: a drained stop instead of parking
+    YIELD = "yield"  # its start waits for memory held outside r3090d: it gives its place to the target
 
 
 @dataclass(frozen=True)
@@ -268,6 +273,9 @@ def _victim(
 
     Arrival order holds here too: an engine with requests waiting since before the target's turn (it
     has just come in, and the router is sending them) serves those first, whatever min_residency says."""
+    waiting = sorted((e for e in resident if e.residency is Residency.WAITING and not _ahead_of(e, turn)), key=_lru_key)
+    if waiting:
+        return waiting[0], None
     ready = [e for e in resident if e.residency is Residency.READY and not _ahead_of(e, turn)]
     idle = sorted((e for e in ready if e.idle), key=_lru_key)
     if idle:
@@ -293,6 +301,8 @@ def _make_room(
     victim: EngineView, target: EngineView, engines: tuple[EngineView, ...], budget_mib: int, wait: str
 ) -> tuple[Move, ...]:
     """Rule 5: park the victim if host memory can hold it (after evictions), else stop it drained."""
+    if victim.residency is Residency.WAITING:
+        return (StopCold(victim.name, StopWhy.YIELD, f"{wait}; {victim.name} gives up its place: its start waits for memory held outside r3090d"),)
     if victim.idle:
         out = f"{wait}; {victim.name} makes room, idle"
     else:

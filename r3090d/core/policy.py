@@ -181,9 +181,15 @@ def backoff_delay(level: int, cfg: Config) -> float:
     return min(cfg.watchdog.backoff_initial * 2 ** (level - 1), cfg.watchdog.backoff_max)
 
 
-def decide(snap: Snapshot, st: PolicyState, cfg: Config, now: float, *, card: bool = True) -> tuple[list[Action], PolicyState]:
+def decide(snap: Snapshot, st: PolicyState, cfg: Config, now: float, *, card: bool = True,
+           arbitrated: bool = False) -> tuple[list[Action], PolicyState]:  # fmt: skip
     """One tick of one engine. `card`: also judge the GPU itself (XIDs, the reset hold, the GPU's alerts); swap mode
-    runs several engines on one card and judges the card once, in core.card, handing the reset hold to each engine."""
+    runs several engines on one card and judges the card once, in core.card, handing the reset hold to each engine.
+
+    `arbitrated` (swap mode): an engine that is not on the card starts only when the arbiter says so
+    (`start_requested`). A give-up's retry, the operator's restart and a cleared reset hold leave it COLD, where it
+    is demand for the arbiter like any other: a start straight through its own policy could find the card held by
+    the resident engine and wait there for ever, with the arbiter waiting for it."""
     actions: list[Action] = []
     events: list[rules.Condition] = []
     if snap.maintenance is not None and snap.maintenance != st.maintenance:
@@ -198,7 +204,7 @@ def decide(snap: Snapshot, st: PolicyState, cfg: Config, now: float, *, card: bo
         restart_times=tuple(t for t in st.restart_times if now - t < window),
         blind=rules.track_blindness(snap, st.blind, cfg, engine_ready=st.phase is Phase.READY),
     )
-    st = _lifecycle(snap, st, cfg, now, actions, events)
+    st = _lifecycle(snap, st, cfg, now, actions, events, arbitrated)
     st = _unanswered(snap, st, now)
     conds = rules.conditions(snap, st.watch, cfg, now, _lifecycle_facts(st, cfg, now), st.blind, card=card) + events
     conds += ([reset_condition(st.reset_hold)] if card else []) + _hold_conditions(st, cfg)
@@ -347,7 +353,8 @@ def _scaled(watch: rules.WatchState, detector_scale: tuple[tuple[RestartReason, 
 # ------------------------------------------------------------------ the lifecycle
 
 
-def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions: list[Action], events: list) -> PolicyState:
+def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions: list[Action], events: list,
+               arbitrated: bool = False) -> PolicyState:  # fmt: skip
     child = snap.child
 
     if snap.shutdown_requested and st.phase is not Phase.SHUTTING_DOWN:
@@ -364,7 +371,7 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
         return st
 
     if st.phase is Phase.GIVEN_UP:
-        return _given_up(snap, st, cfg, now, actions)
+        return _given_up(snap, st, cfg, now, actions, arbitrated)
 
     if st.phase is Phase.STOPPED:
         # Preflight has already waited out the card's other holders before the first start.
@@ -372,7 +379,7 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
 
     if st.phase is Phase.COLD:
         # Swap mode: the arbiter brings the engine in when its model is asked for (or the operator restarts it).
-        if snap.start_requested or snap.restart_requested is not None:
+        if snap.start_requested or (snap.restart_requested is not None and not arbitrated):
             # The card has just changed (another engine parked or stopped for this one): its room is judged on an
             # NVML reading taken after the ask, as after a death, not on one that still shows the engine that left.
             reason = "brought in for its model" if snap.start_requested else "started by operator"
@@ -383,11 +390,19 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
         if snap.restart_requested is not None:
             # The operator has reset the card (or decided to try): the hold is cleared.
             st = replace(st, reset_hold=None, start_failures=0, same_cause_run=0, next_start_at=None)
+            if arbitrated:
+                return _to(st, Phase.COLD, now, start_pending=None)
             return _start(snap, st, cfg, now, actions, "restart requested by operator after a GPU reset", automatic=False)
+        if arbitrated:
+            return st if st.reset_hold is not None else _to(st, Phase.COLD, now, start_pending=None)
         return _start(snap, st, cfg, now, actions, st.start_pending or "restart", automatic=True)
 
+    if st.phase is Phase.WAITING_FOR_GPU and arbitrated and snap.stop_cold_requested is not None:
+        # The arbiter gives its place to another model: nothing runs yet, nothing to stop.
+        return _to(st, Phase.COLD, now, start_pending=None, gpu_wait=None)
+
     if st.phase is Phase.WAITING_FOR_GPU:
-        operator = snap.restart_requested is not None  # the operator's word: start now, room or not
+        operator = snap.restart_requested is not None and not arbitrated  # the operator's word: start now, room or not
         reason = "restart requested by operator while waiting for the GPU" if operator else st.start_pending or "restart"
         return _start(snap, st, cfg, now, actions, reason, automatic=not operator)
 
@@ -485,7 +500,7 @@ def _track_success(snap: Snapshot, st: PolicyState, cfg: Config, now: float) -> 
     return st
 
 
-def _given_up(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions: list[Action]) -> PolicyState:
+def _given_up(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions: list[Action], arbitrated: bool = False) -> PolicyState:
     """The engine stays stopped; the daemon keeps alerting, exporting and answering until asked to start again."""
     child = snap.child
     if cfg.daemon.exit_on_give_up:
@@ -510,6 +525,10 @@ def _given_up(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions:
     changes = dict(start_failures=0, same_cause_run=0, backoff_level=0)
     if not st.retrying:
         changes.update(give_up_reason=None, retry_at=None, retry_attempts=0)
+    if arbitrated:
+        # Cold, and no longer failed: the arbiter brings it in when its model is asked for (a retry's failure
+        # gives up again).
+        return _to(st, Phase.COLD, now, start_pending=None, **changes)
     # The gate may hold it (a reset, a held card): it then waits in that phase, the give-up's alert still standing.
     return _start(snap, st, cfg, now, actions, st.start_pending, automatic=st.retrying, **changes)
 

@@ -178,6 +178,7 @@ def _swap_healthz(d: StateDocument) -> tuple[int, str]:
 MODEL_HEALTH = {
     Residency.READY: "ready",
     Residency.STARTING: "starting: served once ready",
+    Residency.WAITING: "waiting for GPU memory held outside r3090d: served once they let go",
     Residency.RESUMING: "resuming: served once back on the GPU",
     Residency.PARKING: "parking: served after a swap",
     Residency.PARKED: "parked: served after a swap",
@@ -362,8 +363,10 @@ def _swap_families(f: _Families, d: StateDocument) -> None:
     f.per_engine("r3090d_model_requests_frozen", "requests frozen with the parked engine, to finish when it is back", lambda e: e.model.frozen)
     f.per_engine("r3090d_swaps", "times the model was brought onto the GPU (resumed or cold-started) for its requests", lambda e: e.model.swaps_in,
                  family=CounterMetricFamily, engines=models)  # fmt: skip
-    failures = CounterMetricFamily("r3090d_swap_failures", "swaps that ended without the target model serving")
-    failures.add_metric([], float(swap.failed))
+    failures = CounterMetricFamily("r3090d_swap_failures", "swaps that ended without the target model serving, by outcome: failed "
+                                   "(the target could not come in) or abandoned (nobody asked for it any more)", labels=["outcome"])  # fmt: skip
+    failures.add_metric(["failed"], float(swap.failed))
+    failures.add_metric(["abandoned"], float(swap.abandoned))
     f.out.append(failures)
     hist = swap.latency if swap.latency.buckets else Histogram.empty(SWAP_BUCKETS)
     h = HistogramMetricFamily("r3090d_swap_seconds", "a swap's duration: from its decision until the router routes to the target model")

@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import time
+from dataclasses import dataclass
 
 from r3090d import argv as argvmod
 from r3090d import exitcodes
@@ -32,7 +33,7 @@ from r3090d.core.card import CardState, cleared, decide_card
 from r3090d.core.hostmemory import ESTIMATED_BASE_RSS_MIB
 from r3090d.core.snapshot import Snapshot
 from r3090d.core.suspension import Result
-from r3090d.core.vocabulary import Phase
+from r3090d.core.vocabulary import Phase, RestartKind
 from r3090d.effectors import alertformat
 from r3090d.effectors.alertmanager_payload import model_key
 from r3090d.effectors.routerproc import RouterProcess, router_argv, router_env
@@ -40,7 +41,7 @@ from r3090d.probes.hostmem import read_host_memory
 from r3090d.router.link import EngineState, ModelDemand, ModelEntry, ModelKind, Table
 from r3090d.service.report import model_doc, report, swap_document
 from r3090d.service.routerlink import LinkServer
-from r3090d.service.statedoc import HealingInfo, RouterInfo, StateDocument, SwapInfo
+from r3090d.service.statedoc import HealingInfo, ModelFleetState, RouterInfo, StateDocument, SwapInfo
 from r3090d.service.swaps import SwapTracker
 from r3090d.service.unit import EngineUnit
 from r3090d.units import MIB
@@ -56,7 +57,7 @@ _RESIDENCY = {
     Phase.COLD: Residency.COLD,
     Phase.STOPPED: Residency.COLD,
     Phase.STARTING: Residency.STARTING,
-    Phase.WAITING_FOR_GPU: Residency.STARTING,
+    Phase.WAITING_FOR_GPU: Residency.WAITING,
     Phase.RESTARTING: Residency.STARTING,
     Phase.BACKOFF: Residency.STARTING,
     Phase.READY: Residency.READY,
@@ -73,6 +74,36 @@ def residency(st: policy.PolicyState) -> Residency:
     if st.phase is Phase.DRAINING:
         return Residency.STOPPING if st.cold_after else Residency.STARTING  # a drained restart comes back by itself
     return _RESIDENCY.get(st.phase, Residency.STARTING)
+
+
+@dataclass
+class ModelRecord:
+    """What the fleet knows of one model beyond its engine's policy state, in one place: a combination that would
+    hold the model (or the card) for ever shows here, and in `r3090ctl status --model NAME`."""
+
+    gpu_mib: int = 0  # its engine's GPU memory, last seen ready: its cost when parked
+    no_checkpoint: bool = False  # its park was undone by the driver, or cannot be done: stopped drained from now on
+    park_request: int | None = None  # the number of the park or unpark asked of its engine, until the engine answers it
+    unpark_retry_at: float | None = None  # a resume refused for room: not asked again before then
+    wanted_at: float | None = None  # brought in by hand (r3090ctl swap or restart): a waiting request, until ready
+    closing: bool = False  # the current plan closes it: the router sends it nothing new; stopped once nothing runs
+    leave_decided: bool = False  # a park or stop decided and not yet taken up by its policy: unroutable meanwhile
+    coming: bool = False  # on its way in by the arbiter's move: counted as swapped in once ready
+    leaving: bool = False  # on its way out by the arbiter's move: counted as swapped out once parked or cold
+    ready_at: float | None = None  # when it was first seen ready
+    ready_canary_errors: int = 0  # its canary's errors then: its first canary has had its chance once they grow
+    swaps_in: int = 0
+    swaps_out: int = 0
+    exited: bool = False  # shutting down: its engine is gone
+
+    def state(self, now: float) -> ModelFleetState:
+        """What an operator reads of it (status --model, --json)."""
+        retry = self.unpark_retry_at
+        return ModelFleetState(
+            closing=self.closing, leave_decided=self.leave_decided, coming=self.coming, leaving=self.leaving,
+            wanted=self.wanted_at is not None, park_request=self.park_request,
+            unpark_retry_in=round(retry - now, 1) if retry is not None and retry > now else None, no_checkpoint=self.no_checkpoint,
+        )  # fmt: skip
 
 
 def unit_config(cfg: Config, ucfg: Config) -> Config:
@@ -111,23 +142,10 @@ class Fleet:
         )  # fmt: skip
         self.swaps = SwapTracker()
         self.snaps: dict[str, Snapshot] = {}
-        self.gpu_mib: dict[str, int] = {}  # each engine's GPU memory, last seen resident (its parked cost)
-        self.no_checkpoint: set[str] = set()  # engines whose park the driver undid: stopped drained from now on
-        self.parks: dict[str, int] = {}  # the request number of each engine's park or unpark under way
-        self.swaps_in: dict[str, int] = dict.fromkeys(self.units, 0)
-        self.swaps_out: dict[str, int] = dict.fromkeys(self.units, 0)
+        self.models: dict[str, ModelRecord] = {name: ModelRecord() for name in self.units}
         self.plan = arbiter.Plan()
         self.budget_mib = cfg.swap.host_memory_budget_mib or None
         self._budget_read_at = -HOST_MEMORY_EVERY_S
-        self.exited: dict[str, int] = {}
-        self.wanted: dict[str, float] = {}  # models brought in by hand (r3090ctl swap): a waiting request each, until ready
-        self.closing: set[str] = set()  # ready engines the router sends nothing new: stopped once nothing runs in them
-        # Engines on their way in or out by the arbiter's move, counted as swapped once they get there (a refused
-        # park or resume asked again is one swap, not two).
-        self.coming: set[str] = set()
-        self.leaving: set[str] = set()
-        self.retry_at: dict[str, float] = {}  # an unpark refused: not asked again before then
-        self.ready_at: dict[str, tuple[float, int]] = {}  # when each engine was first seen ready, and its canary errors then
         self.seq = 0
         self.table: Table | None = None
 
@@ -164,28 +182,31 @@ class Fleet:
         for action in card_actions:
             self._alert(action, alerts)
         for name, unit in self.units.items():
-            snap = self.snaps[name]
+            snap, rec = self.snaps[name], self.models[name]
             was_ready = unit.st.phase is Phase.READY
-            actions, unit.st = policy.decide(snap, dataclasses.replace(unit.st, reset_hold=self.card.reset_hold), unit.cfg, now, card=False)
+            actions, unit.st = policy.decide(snap, dataclasses.replace(unit.st, reset_hold=self.card.reset_hold), unit.cfg, now, card=False,
+                                             arbitrated=True)  # fmt: skip
             actions = [self._labelled(a, name) if isinstance(a, SendAlert) else a for a in actions]
             code = unit.execute([a for a in actions if not isinstance(a, Exit)], snap, alerts=alerts, gpu_name=gpu_name)
             if any(isinstance(a, Exit) for a in actions) or code is not None:
-                self.exited[name] = exitcodes.OK
-            self._remember_gpu(name, unit, snap)
+                rec.exited = True
+            rec.leave_decided = False  # its policy has taken the park or stop up (or refused it: routable again)
+            self._remember_gpu(rec, unit, snap)
             if unit.st.phase is not Phase.READY:
-                self.closing.discard(name)
-                self.ready_at.pop(name, None)
+                rec.closing = False
+                rec.ready_at = None
             elif not was_ready:
-                self.ready_at[name] = (now, unit.st.canary.errors)
-            self._count_swaps(name, residency(unit.st))
+                rec.ready_at, rec.ready_canary_errors = now, unit.st.canary.errors
+            self._count_swaps(rec, residency(unit.st))
         if shutdown:
             self._publish(now)
-            return exitcodes.OK if len(self.exited) == len(self.units) else None
+            return exitcodes.OK if all(rec.exited for rec in self.models.values()) else None
         # A swap whose target has just become ready ends before the next one can begin in this tick.
         decided_at = self.clock()
         routable = {n for n, u in self.units.items() if self.routable(n, u, now)}
-        ended = self.swaps.observe(self.units, decided_at, routable=routable, closing=self.closing)
+        ended = self.swaps.observe(self.units, decided_at, routable=routable, closing={n for n, r in self.models.items() if r.closing})
         self._arbitrate(now)
+        self._abandon_unwanted_swap(now)
         self._publish(now)
         if ended:
             self.swaps.routed(self.clock() - decided_at)  # the table with the target routable has gone out
@@ -201,21 +222,26 @@ class Fleet:
         """An engine's alert names its model: two models' `dead` alerts are two alerts."""
         return dataclasses.replace(action, key=model_key(action.key, name), summary=f"{name}: {action.summary}")
 
-    def _count_swaps(self, name: str, where: Residency) -> None:
-        if name in self.coming and where in (Residency.READY, Residency.FAILED):
-            self.coming.discard(name)
-            self.swaps_in[name] += where is Residency.READY
-        if name in self.leaving and where in (Residency.PARKED, Residency.COLD, Residency.FAILED):
-            self.leaving.discard(name)
-            self.swaps_out[name] += where is not Residency.FAILED
+    @staticmethod
+    def _count_swaps(rec: ModelRecord, where: Residency) -> None:
+        """Counted once it gets there: a refused park or resume asked again is one swap, not two."""
+        if rec.coming and where in (Residency.READY, Residency.FAILED, Residency.COLD):
+            rec.coming = False  # cold again: its start gave its place up, or it died on the way
+            rec.swaps_in += where is Residency.READY
+        if rec.leaving and where in (Residency.PARKED, Residency.COLD, Residency.FAILED):
+            rec.leaving = False
+            rec.swaps_out += where is not Residency.FAILED
+        elif rec.leaving and where is Residency.READY and not rec.closing:
+            rec.leaving = False  # its park was refused, or the plan no longer closes it: it stays
 
-    def _remember_gpu(self, name: str, unit: EngineUnit, snap: Snapshot) -> None:
+    @staticmethod
+    def _remember_gpu(rec: ModelRecord, unit: EngineUnit, snap: Snapshot) -> None:
         processes = snap.gpu.processes if snap.gpu.usable else None
         if unit.st.phase is Phase.READY and processes:
             tree = set(snap.child.tree_pids) | ({snap.child.pid} if snap.child.pid else set())
             held = sum(p.used_bytes or 0 for p in processes if p.pid in tree)
             if held:
-                self.gpu_mib[name] = held // MIB
+                rec.gpu_mib = held // MIB
 
     # ------------------------------------------------------------------ the arbiter
 
@@ -231,17 +257,17 @@ class Fleet:
         demand = self.link.latest().models
         out = []
         for name, unit in self.units.items():
-            st, snap = unit.st, self.snaps.get(name)
+            st, snap, rec = unit.st, self.snaps.get(name), self.models[name]
             d = demand.get(name)
             where = residency(st)
-            if where is Residency.READY or where is Residency.FAILED:
-                self.wanted.pop(name, None)
-            if name in self.wanted:
-                oldest = min(t for t in (self.wanted[name], d.oldest_waiting_at if d else None) if t is not None)
+            if rec.wanted_at is not None and (where is Residency.READY or (where is Residency.FAILED and st.phase_since >= rec.wanted_at)):
+                rec.wanted_at = None  # served; or it failed after it was asked for (a restart asks again)
+            if rec.wanted_at is not None:
+                oldest = min(t for t in (rec.wanted_at, d.oldest_waiting_at if d else None) if t is not None)
                 d = ModelDemand(max(1, d.waiting if d else 0), oldest, d.inflight if d else 0, d.last_used_at if d else None)
             s = st.suspension
             cold_parked = where is Residency.PARKED and s is not None and s.cold
-            gpu_mib = (s.bytes // MIB if s is not None and s.bytes else self.gpu_mib.get(name, 0)) if not cold_parked else 0
+            gpu_mib = (s.bytes // MIB if s is not None and s.bytes else rec.gpu_mib) if not cold_parked else 0
             out.append(EngineView(
                 name=name,
                 residency=where,
@@ -259,7 +285,7 @@ class Fleet:
         return tuple(out)
 
     def _can_checkpoint(self, name: str, unit: EngineUnit, snap: Snapshot | None) -> bool:
-        if name in self.no_checkpoint or not unit.cfg.gpu.required:
+        if self.models[name].no_checkpoint or not unit.cfg.gpu.required:
             return False
         if snap is None or unit.st.phase is not Phase.READY:
             return True
@@ -283,64 +309,94 @@ class Fleet:
         if plan.moves and plan.why != self.plan.why:
             log.info("swap: %s", plan.why)
         self.plan = plan
+        self._reclose(plan)
         by_name = {v.name: v for v in views}
         asked = [self._request(move, by_name[move.name], now) for move in plan.moves]
         if any(asked):
             self.wake.set()  # the next tick takes the request up now, not a poll later
 
+    def _reclose(self, plan: arbiter.Plan) -> None:
+        """Closing is the current plan's decision, made again at every plan: an engine the plan no longer closes
+        (the target's requests left, or came after the closed engine's own) is routable again."""
+        closed = {m.name for m in plan.moves if isinstance(m, Close)}
+        for name, rec in self.models.items():
+            if rec.closing and name not in closed:
+                rec.closing = False
+                rec.leaving = False
+                log.info("swap: %s is routable again: the plan no longer closes it (%s)", name, plan.why)
+
+    def _abandon_unwanted_swap(self, now: float) -> None:
+        """A swap whose target is out of the GPU and no longer the plan's target (its requests left before it was
+        brought in) ends as abandoned: the next target begins a swap of its own."""
+        s = self.swaps.current
+        if s is None or s.to_model is None or s.to_model == self.plan.target:
+            return
+        unit = self.units.get(s.to_model)
+        if unit is None or residency(unit.st) in (Residency.COLD, Residency.PARKED):
+            self.swaps.abandon(now, f"{s.to_model} is no longer asked for ({self.plan.why})")
+
     def _learn_from_parks(self, now: float) -> None:
         """A park the driver undid (kept_running) or cannot do (unavailable): that engine is stopped drained from now on.
         A resume refused (the card has no room yet: someone else took it) is asked again after UNPARK_RETRY_S."""
         for name, unit in self.units.items():
-            last, request = unit.st.suspend_last, self.parks.get(name)
-            if last is None or request is None or last.request != request:
+            rec = self.models[name]
+            last, request = unit.st.suspend_last, rec.park_request
+            if request is None:
                 continue
-            del self.parks[name]
+            if last is None or last.request != request:
+                if unit.st.suspension is None and unit.pending.suspend is None and unit.pending.resume is None:
+                    # Its policy holds no suspension and has nothing to take up: the request can have no answer
+                    # (the engine left its phases some other way). Never let it hold the model's parks for ever.
+                    log.warning("swap: %s's %s request %d ended without an answer (%s); it is dropped", name,
+                                "park" if residency(unit.st) is not Residency.PARKED else "unpark", request, unit.st.phase.value)  # fmt: skip
+                    rec.park_request = None
+                continue
+            rec.park_request = None
             if last.op == "resume" and last.result is Result.REFUSED:
-                self.retry_at[name] = now + UNPARK_RETRY_S
+                rec.unpark_retry_at = now + UNPARK_RETRY_S
                 log.warning("swap: %s cannot come back yet (%s); asked again in %.0f s", name, last.detail, UNPARK_RETRY_S)
             if last.op == "suspend" and last.result in (Result.KEPT_RUNNING, Result.UNAVAILABLE, Result.REFUSED):
                 if last.result is not Result.REFUSED:
-                    self.no_checkpoint.add(name)
+                    rec.no_checkpoint = True
                 log.warning("swap: %s could not be parked (%s: %s); %s", name, last.result.value, last.detail,
-                            "it is stopped drained instead" if name in self.no_checkpoint else "the arbiter tries again")  # fmt: skip
+                            "it is stopped drained instead" if rec.no_checkpoint else "the arbiter tries again")  # fmt: skip
 
     def _request(self, move, view: EngineView, now: float) -> bool:
         """Hand a move to its engine's policy (once: a move planned again while under way asks nothing new).
         True when something new was asked."""
-        unit = self.units[move.name]
+        unit, rec = self.units[move.name], self.models[move.name]
         pending = unit.pending
         if isinstance(move, Park):
-            if pending.suspend is not None or move.name in self.parks:
+            if pending.suspend is not None or rec.park_request is not None:
                 return False
-            pending.suspend = self.parks[move.name] = pending.number()
+            pending.suspend = rec.park_request = pending.number()
             pending.park = True
-            self.leaving.add(move.name)
+            rec.leaving = rec.leave_decided = True
             self.swaps.begin(self.plan.target, move.name, now, parked=True)
         elif isinstance(move, Unpark):
-            if pending.resume is not None or move.name in self.parks or now < self.retry_at.get(move.name, 0.0):
+            if pending.resume is not None or rec.park_request is not None or now < (rec.unpark_retry_at or 0.0):
                 return False
-            pending.resume = self.parks[move.name] = pending.number()
-            self.coming.add(move.name)
+            pending.resume = rec.park_request = pending.number()
+            rec.coming = True
             self.swaps.begin(move.name, None, now, parked=True, bring_in=True)
         elif isinstance(move, ColdStart):
             if pending.start:
                 return False
             pending.start = True
-            self.coming.add(move.name)
+            rec.coming = True
             self.swaps.begin(move.name, None, now, parked=False, bring_in=True)
         elif isinstance(move, Close):
-            if move.name in self.closing:
+            if rec.closing:
                 return False
-            self.closing.add(move.name)
-            self.leaving.add(move.name)
+            rec.closing = rec.leaving = True
             self.swaps.begin(self.plan.target, move.name, now, parked=False)
         elif isinstance(move, StopCold):
             if pending.stop_cold is not None:
                 return False
             pending.stop_cold = move.detail or f"stopped to cold ({move.why.value})"
-            if move.why is not arbiter.StopWhy.EVICT and move.name not in self.closing:
-                self.leaving.add(move.name)
+            rec.leave_decided = True
+            if move.why not in (arbiter.StopWhy.EVICT, arbiter.StopWhy.YIELD) and not rec.closing:
+                rec.leaving = True
                 self.swaps.begin(self.plan.target, move.name, now, parked=False)
         return True
 
@@ -350,13 +406,14 @@ class Fleet:
         """Ready, not closing, and (a generative engine) its first canary done: a model is served only once it has
         given its known answer (compared with an earlier engine's, where one is on record), or the canary has had
         its chance (an error, or its timeout) and the periodic check takes over."""
-        if unit.st.phase is not Phase.READY or name in self.closing:
-            return False
+        rec = self.models[name]
+        if unit.st.phase is not Phase.READY or rec.closing or rec.leave_decided:
+            return False  # leaving by the plan's decision: the router holds its requests from that moment on
         cc = unit.cfg.canary
         if not cc.enabled or unit.st.canary.baseline is not None:
             return True
-        since, errors = self.ready_at.get(name, (now, unit.st.canary.errors))
-        return unit.st.canary.errors > errors or now - since >= cc.timeout
+        since = rec.ready_at if rec.ready_at is not None else now
+        return unit.st.canary.errors > rec.ready_canary_errors or now - since >= cc.timeout
 
     def _publish(self, now: float) -> None:
         models = tuple(self._entry(name, unit, self.routable(name, unit, now)) for name, unit in self.units.items())
@@ -387,9 +444,32 @@ class Fleet:
             return {"ok": True, "message": f"{name} is already resident and ready"}
         if where is Residency.FAILED:
             return {"ok": False, "error": f"{name} is {unit.st.phase.value}: r3090ctl restart --model {name} first"}
-        self.wanted.setdefault(name, self.clock())
+        rec = self.models[name]
+        if rec.wanted_at is None:
+            rec.wanted_at = self.clock()
         self.wake.set()
         return {"ok": True, "message": f"accepted: bringing {name} in ({where.value} now)"}
+
+    def restart(self, name: str) -> dict | None:
+        """r3090ctl restart --model NAME of an engine that is not on the card: the arbiter brings it in, in its turn
+        (a start of its own could find the card held by the resident engine, and wait there for ever). None: the
+        engine is on the card, and its own policy takes the restart."""
+        unit, rec = self.units[name], self.models[name]
+        where = residency(unit.st)
+        if where is Residency.WAITING:
+            held = unit.st.gpu_wait.text() if unit.st.gpu_wait is not None else "memory held outside r3090d"
+            return {"ok": True, "message": f"{name} already waits to start: {held}; it starts once they let go"}
+        if where is Residency.COLD:
+            return self.bring_in(name)
+        if where is Residency.FAILED:
+            # Its policy leaves it cold and no longer failed (a reset hold cleared, a give-up forgotten); asked for
+            # from now on, it comes in in its turn.
+            unit.pending.restart = RestartKind.FAST
+            if rec.wanted_at is None:
+                rec.wanted_at = self.clock()
+            self.wake.set()
+            return {"ok": True, "message": f"accepted: {name} ({unit.st.phase.value}) is started again through the arbiter, from zero failures"}
+        return None
 
     def status_line(self) -> str:
         """systemd's STATUS=: each model's residency, and the swap under way."""
@@ -410,19 +490,22 @@ class Fleet:
                                 preflight=None, telemetry={}, suspend=unit.suspend.publish(unit.st, snap, offset))  # fmt: skip
             where = residency(unit.st)
             s = unit.st.suspension
-            gpu_bytes = s.bytes if s is not None and s.bytes else self.gpu_mib.get(name, 0) * MIB
+            rec = self.models[name]
+            gpu_bytes = s.bytes if s is not None and s.bytes else rec.gpu_mib * MIB
             host_bytes = gpu_bytes + ESTIMATED_BASE_RSS_MIB * MIB if where is Residency.PARKED and not (s and s.cold) else 0
             parked_bytes += host_bytes
             d = demand.get(name)
             last_used = d.last_used_at + offset if d and d.last_used_at is not None else None
             models.append(model_doc(
                 name, engine_doc, kind=unit.cfg.engine.kind, residency=where, port=unit.cfg.engine.port, last_used=last_used,
-                host_bytes=host_bytes, gpu_bytes=gpu_bytes, swaps_in=self.swaps_in[name], swaps_out=self.swaps_out[name],
+                host_bytes=host_bytes, gpu_bytes=gpu_bytes, swaps_in=rec.swaps_in, swaps_out=rec.swaps_out,
                 inflight=d.inflight if d else 0, waiting=d.waiting if d else 0, frozen=s.frozen_requests if s else 0,
+                fleet=rec.state(self.clock()),
             ))  # fmt: skip
         router = self.router.sample()
         swap = SwapInfo(
-            in_progress=self.swaps.progress(), total=self.swaps.total, failed=self.swaps.failed, last=self.swaps.last,
+            in_progress=self.swaps.progress(), total=self.swaps.total, failed=self.swaps.failed, abandoned=self.swaps.abandoned,
+            last=self.swaps.last,
             latency=self.swaps.latency,
             host_budget_bytes=self.budget_mib * MIB if self.budget_mib is not None else None, host_parked_bytes=parked_bytes,
             router=RouterInfo(pid=router.pid, up=router.alive, linked=self.link.linked, restarts=router.restarts,

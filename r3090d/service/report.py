@@ -28,6 +28,7 @@ from r3090d.service.statedoc import (
     FiringAlert,
     HealingInfo,
     ModelDoc,
+    ModelFleetState,
     PreflightSummary,
     ProbeInfo,
     RestartsInfo,
@@ -284,7 +285,8 @@ def next_action(st: PolicyState, snap: Snapshot, cfg: Config) -> str | None:
 
 
 def model_doc(name: str, engine_doc: StateDocument, *, kind, residency, port: int, last_used: float | None, host_bytes: int,
-              gpu_bytes: int, swaps_in: int, swaps_out: int, inflight: int, waiting: int, frozen: int) -> ModelDoc:  # fmt: skip
+              gpu_bytes: int, swaps_in: int, swaps_out: int, inflight: int, waiting: int, frozen: int,
+              fleet: ModelFleetState | None = None) -> ModelDoc:  # fmt: skip
     """One model of swap mode: where its engine is and how it is used, with its engine's own sections
     (what report() gives for that engine alone)."""
     d = engine_doc
@@ -293,6 +295,7 @@ def model_doc(name: str, engine_doc: StateDocument, *, kind, residency, port: in
         swaps_in=swaps_in, swaps_out=swaps_out, inflight=inflight, waiting=waiting, frozen=frozen,
         engine=d.engine, restarts=d.restarts, health=d.health, inference=d.inference, canary=d.canary, suspend=d.suspend,
         metrics=d.metrics, watch=d.watch, give_up_reason=d.give_up_reason, next_action=d.next_action, healing=d.healing,
+        fleet=fleet or ModelFleetState(),
     )  # fmt: skip
 
 

@@ -362,6 +362,7 @@ class ModelDoc:
     give_up_reason: str | None = None
     next_action: str | None = None
     healing: HealingInfo = field(default_factory=HealingInfo)
+    fleet: ModelFleetState = field(default_factory=lambda: ModelFleetState())
     # The residency as written: a newer daemon's word is named to the operator, not dropped.
     residency_text: str | None = field(default=None, metadata={KEY: "residency", DERIVED: True})
 
@@ -395,6 +396,31 @@ class SwapProgress:
 
 
 @dataclass(frozen=True)
+class ModelFleetState:
+    """What the swap daemon holds of one model beyond its engine (service/fleet.py's ModelRecord): what moves it,
+    or holds it, now."""
+
+    closing: bool = False  # the current plan closes it: the router sends it nothing new
+    leave_decided: bool = False  # a park or stop decided, not yet taken up: the router holds its requests
+    coming: bool = False  # on its way onto the GPU
+    leaving: bool = False  # on its way off the GPU
+    wanted: bool = False  # asked for by the operator (r3090ctl swap or restart) until it is ready
+    park_request: int | None = None  # the park or unpark asked of its engine and not yet answered
+    unpark_retry_in: float | None = None  # seconds until a refused resume is asked again
+    no_checkpoint: bool = False  # it cannot be parked here: stopped drained instead
+
+    def words(self) -> list[str]:
+        out = [w for w, on in (("closing (its new requests wait)", self.closing), ("leaving decided", self.leave_decided and not self.closing),
+                               ("coming in", self.coming), ("leaving", self.leaving and not self.closing),
+                               ("asked for by the operator", self.wanted), ("stopped, not parked, when it leaves", self.no_checkpoint)) if on]  # fmt: skip
+        if self.park_request is not None:
+            out.append(f"park/unpark request {self.park_request} under way")
+        if self.unpark_retry_in is not None:
+            out.append(f"resume asked again in {self.unpark_retry_in:.0f} s")
+        return out
+
+
+@dataclass(frozen=True)
 class SwapRecord:
     """The last swap that ended, with its time and where the time went (None: a step it did not take)."""
 
@@ -413,6 +439,7 @@ class SwapRecord:
     frozen_requests: int = 0  # requests frozen with the outgoing engine
     error: str = ""  # why it failed, one line
     at: float | None = None  # wall clock of its end
+    abandoned: bool = False  # ended before its target came in: nobody asked for it any more
 
 
 @dataclass(frozen=True)
@@ -432,8 +459,9 @@ class SwapInfo:
     """Swap mode's card-level view: the swap under way and the last one, host memory for parked engines, the router."""
 
     in_progress: SwapProgress | None = None
-    total: int = 0  # swaps that ended since the daemon started, failed ones included
+    total: int = 0  # swaps that ended since the daemon started, failed and abandoned ones included
     failed: int = 0
+    abandoned: int = 0  # ended before the target came in: its requests left
     last: SwapRecord | None = None
     latency: Histogram = field(default_factory=lambda: Histogram.empty(SWAP_BUCKETS))  # SwapRecord.seconds of each swap
     host_budget_bytes: int | None = None  # host memory parked engines may hold; None: not known yet

@@ -416,6 +416,9 @@ def _served_lines(d: StateDocument, m: ModelDoc, now: float) -> list[str]:
     ]
     if m.waiting or m.inflight or m.frozen:
         lines.append(f"Requests   {m.waiting} waiting at the router, {m.inflight} in flight, {m.frozen} frozen with the engine")
+    moving = m.fleet.words()
+    if moving:
+        lines.append(f"Swap       {'; '.join(moving)}")
     swap = d.swap or SwapInfo()
     lines.append(router_line(swap))
     return lines

@@ -135,6 +135,10 @@ class SwapDaemon(Daemon):
             return {"ok": False, "error": f"{what}: give --model NAME, one of: {known}"}
         if cmd == "swap":
             return self.fleet.bring_in(name)
+        if cmd == "restart":
+            reply = self.fleet.restart(name)
+            if reply is not None:
+                return reply
         if cmd in ("suspend", "resume"):
             request = {k: v for k, v in request.items() if k != "model"}
             return commands.answer_suspend(request, unit.pending, unit.cfg, phase=unit.st.phase, suspended=unit.st.suspension,

@@ -45,6 +45,7 @@ class SwapTracker:
         self.current: Swap | None = None
         self.total = 0
         self.failed = 0
+        self.abandoned = 0  # ended before the target was brought in: its requests left (not a failure of the card)
         self.last: SwapRecord | None = None
         self.latency = Histogram.empty(SWAP_BUCKETS)
 
@@ -113,17 +114,24 @@ class SwapTracker:
             return "start_s"
         return None
 
-    def _end(self, s: Swap, now: float, *, ok: bool, error: str = "") -> None:
+    def abandon(self, now: float, why: str) -> None:
+        """The swap under way ends without its target: nobody asks for it any more. The next target's swap is
+        a record of its own, so that none stays open for ever."""
+        if self.current is not None:
+            self._end(self.current, now, ok=False, error=f"abandoned: {why}", abandoned=True)
+
+    def _end(self, s: Swap, now: float, *, ok: bool, error: str = "", abandoned: bool = False) -> None:
         seconds = now - s.started_at
         t = {k: round(v, 3) for k, v in s.times.items()}
         self.last = SwapRecord(
             from_model=s.from_model, to_model=s.to_model or "", cold=s.cold, ok=ok, seconds=round(seconds, 3),
             drain_s=t.get("drain_s"), checkpoint_s=t.get("checkpoint_s"), stop_s=t.get("stop_s"), restore_s=t.get("restore_s"),
             start_s=t.get("start_s"), canary_s=t.get("canary_s"),
-            frozen_requests=s.frozen, error=error, at=time.time(),
+            frozen_requests=s.frozen, error=error, at=time.time(), abandoned=abandoned,
         )  # fmt: skip
         self.total += 1
-        self.failed += 0 if ok else 1
+        self.abandoned += abandoned
+        self.failed += not ok and not abandoned
         self.current = None
 
     def progress(self) -> SwapProgress | None:

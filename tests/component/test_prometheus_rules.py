@@ -429,8 +429,11 @@ CASES = [
     ),
     AlertCase(
         "R3090dSwapFailing",
-        series=((sel("r3090d_swap_failures_total", FIRING), "0 0 0 1+0x40"),),
-        quiet=((sel("r3090d_swap_failures_total", QUIET), "2+0x40"),),  # failures from before the window
+        series=((sel("r3090d_swap_failures_total", FIRING, outcome="failed"), "0 0 0 1+0x40"),),
+        quiet=(
+            (sel("r3090d_swap_failures_total", QUIET, outcome="failed"), "2+0x40"),  # failures from before the window
+            (sel("r3090d_swap_failures_total", QUIET, outcome="abandoned"), "0 0 0 1 2 3+0x40"),  # nobody asked any more
+        ),
         start=3,
         labels=FIRING_JOB,
         annotations={"summary": "a model swap failed on gpu0 in the last 10 minutes"},
@@ -439,9 +442,9 @@ CASES = [
     AlertCase(
         "R3090dSwapFailingRepeatedly",
         # Failures at minutes 2, 3 and 4: three within 30 minutes until the window passes the first at minute 32.
-        series=((sel("r3090d_swap_failures_total", FIRING), "0 0 1 2 3+0x60"),),
+        series=((sel("r3090d_swap_failures_total", FIRING, outcome="failed"), "0 0 1 2 3+0x60"),),
         # Three failures too, 38 minutes apart from first to last: never three within 30.
-        quiet=((sel("r3090d_swap_failures_total", QUIET), "0 0 1+0x17 2+0x19 3+0x40"),),
+        quiet=((sel("r3090d_swap_failures_total", QUIET, outcome="failed"), "0 0 1+0x17 2+0x19 3+0x40"),),
         start=4,
         labels=FIRING_JOB,
         annotations={"summary": "model swaps keep failing on gpu0: 3 or more in 30 minutes"},

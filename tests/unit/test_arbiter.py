@@ -387,6 +387,8 @@ def test_plans_keep_the_budget_and_the_frozen_work(world):
             assert not before.frozen  # rule 6
             if move.why is StopWhy.EVICT:
                 assert before.residency is Residency.PARKED
+            elif move.why is StopWhy.YIELD:
+                assert before.residency is Residency.WAITING  # nothing runs in it yet
             else:
                 assert before.residency is Residency.READY
             after[move.name] = dataclasses.replace(before, residency=Residency.COLD)
@@ -418,3 +420,14 @@ def test_plans_keep_the_budget_and_the_frozen_work(world):
     ]
     if not wanted:
         assert got.target is None and not gpu_moves  # rule 8
+
+
+def test_an_engine_waiting_for_memory_held_outside_blocks_nothing_and_yields_its_place():
+    """Its start waits for a process r3090d does not own: not a move in transition (rule 1), and the first to make
+    room (rule 4), unless its own requests came first."""
+    waiting = EngineView("a", Residency.WAITING, gpu_mib=15000)
+    target = EngineView("b", Residency.COLD, waiting=1, oldest_waiting_at=10.0)
+    got = plan((waiting, target), ArbiterConfig(max_resident=1, host_budget_mib=64000), 12.0)
+    assert got.moves == (StopCold("a", StopWhy.YIELD, got.moves[0].detail),) and got.target == "b"
+    first = dataclasses.replace(waiting, waiting=2, oldest_waiting_at=5.0)
+    assert plan((first, target), ArbiterConfig(max_resident=1, host_budget_mib=64000), 12.0).moves == ()

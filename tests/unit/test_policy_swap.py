@@ -74,7 +74,7 @@ def alive(gen=1, **fields) -> ChildSample:
 
 def gone(gen=1, code=0, **fields) -> ChildSample:
     return ChildSample(
-        pid=API, alive=False, exit_code=code, tree_pids=(), generation=gen, stop_requested=True, **fields
+        pid=API, alive=False, exit_code=code, tree_pids=(), generation=gen, **{"stop_requested": True, **fields}
     )
 
 
@@ -101,7 +101,7 @@ class Run:
         kw.setdefault("metrics", IDLE if up else MetricsSample())
         kw.setdefault("gpu", card(self.now, procs=((CORE, HELD),) if up else ()))
         self.acts, self.st = policy.decide(
-            snap(self.now, wall=1000.0 + self.now, **kw), self.st, self.c, self.now, card=self.card_too
+            snap(self.now, wall=1000.0 + self.now, **kw), self.st, self.c, self.now, card=self.card_too, arbitrated=True
         )
         return self.acts
 
@@ -183,8 +183,10 @@ def test_a_cold_engine_stays_cold_and_silent_until_asked(fields):
     ("fields", "state", "phase", "reason"),
     [
         ({"start_requested": True}, {}, Phase.STARTING, "brought in for its model"),
-        ({"restart_requested": RestartKind.DRAIN}, {}, Phase.STARTING, "started by operator"),
-        ({"restart_requested": RestartKind.FAST}, {}, Phase.STARTING, "started by operator"),
+        # The operator's restart of a cold engine is demand for the arbiter (the fleet asks it in), never a start
+        # of its own: the resident engine may hold the card.
+        ({"restart_requested": RestartKind.DRAIN}, {}, Phase.COLD, None),
+        ({"restart_requested": RestartKind.FAST}, {}, Phase.COLD, None),
         # After an old engine of generation 3: generation 4 next.
         ({"start_requested": True, "ch": gone(3)}, {}, Phase.STARTING, "brought in for its model"),
         # The start gate: the caller's reset hold, maintenance, another process holding the room it needs.
@@ -243,7 +245,7 @@ def test_a_started_cold_engine_becomes_ready_and_served():
     assert r.st.ready_since == r.now and r.st.restarts_total == 0
 
 
-def test_a_start_held_by_the_callers_reset_hold_goes_once_the_caller_clears_it():
+def test_a_start_held_by_the_callers_reset_hold_is_cold_once_the_caller_clears_it():
     """card=False: the engine judges no XID, but the hold the card level hands it still stops every start."""
     r = Run()
     r.st = dataclasses.replace(r.st, reset_hold=HOLD)
@@ -254,6 +256,8 @@ def test_a_start_held_by_the_callers_reset_hold_goes_once_the_caller_clears_it()
         assert r.st.phase is Phase.RESET_NEEDED and not r.of(StartEngine) and alert_keys(r.acts) == []
     r.st = dataclasses.replace(r.st, reset_hold=None)  # the card level's hold cleared (r3090ctl restart)
     r.tick()
+    assert r.st.phase is Phase.COLD and not r.of(StartEngine)  # back to the arbiter, not started by itself
+    r.tick(start_requested=True)
     assert r.of(StartEngine) and r.st.phase is Phase.STARTING
 
 
@@ -471,3 +475,55 @@ def test_card_false_leaves_the_condition_list_without_the_cards():
     )
     keys = {x.key for x in rules.conditions(tick, rules.WatchState(), c, 1.0, life, card=False)}
     assert keys and not keys & CARD_KEYS
+
+
+# ------------------------------------------------------------------ every start through the arbiter
+
+
+def given_up(r: Run) -> None:
+    """A cold start that fails start_failures times in a row: GIVEN_UP, its retry due in give_up_retry."""
+    r.tick(start_requested=True)
+    for gen in range(1, r.c.watchdog.start_failures + 1):
+        assert r.st.phase is Phase.STARTING, r.st.phase
+        r.tick(ch=gone(gen, code=1), health=REFUSED)
+        while r.st.phase in (Phase.RESTARTING, Phase.BACKOFF):
+            r.tick(dt=5.0, ch=gone(gen, code=1), health=SKIPPED)
+    assert r.st.phase is Phase.GIVEN_UP
+
+
+def test_a_give_ups_retry_leaves_the_engine_cold_for_the_arbiter_and_a_failed_retry_gives_up_again():
+    """The retry starts nothing itself (the resident engine may hold the card): the engine is cold, no longer failed,
+    and its model's next request brings it in through the arbiter; a retry that fails gives up again."""
+    r = Run(cfg(watchdog={"give_up_retry": 60.0, "start_failures": 2, "backoff_initial": 1.0}))
+    given_up(r)
+    gen = r.st.generation
+    r.engine = gone(gen, code=1)
+    r.tick(dt=61.0, health=SKIPPED)
+    assert r.st.phase is Phase.COLD and not r.of(StartEngine) and r.st.retrying
+    for _ in range(10):
+        r.tick(dt=30.0, health=SKIPPED)
+        assert r.st.phase is Phase.COLD and not r.of(StartEngine)
+    r.tick(start_requested=True, health=SKIPPED)
+    assert r.of(StartEngine) and r.st.phase is Phase.STARTING
+    r.tick(ch=gone(gen + 1, code=1), health=REFUSED)
+    assert r.st.phase is Phase.GIVEN_UP and r.st.retry_at is not None
+
+
+def test_the_operators_restart_of_a_given_up_engine_leaves_it_cold_and_no_longer_failed():
+    r = Run(cfg(watchdog={"give_up_retry": 0.0, "start_failures": 2, "backoff_initial": 1.0}))
+    given_up(r)
+    r.engine = gone(r.st.generation, code=1)
+    r.tick(restart_requested=RestartKind.FAST, health=SKIPPED)
+    assert r.st.phase is Phase.COLD and not r.of(StartEngine)
+    assert r.st.give_up_reason is None and r.st.start_failures == 0
+
+
+def test_a_start_waiting_for_the_gpu_gives_its_place_up_when_the_arbiter_says_and_the_operator_cannot_force_it():
+    r = Run()
+    held = card(1.0, procs=((OTHER, 20 * GIB),))
+    r.tick(start_requested=True, gpu=dataclasses.replace(held, taken_at=1.0))
+    assert r.st.phase is Phase.WAITING_FOR_GPU
+    r.tick(restart_requested=RestartKind.FAST, gpu=dataclasses.replace(held, taken_at=r.now + 0.5))
+    assert r.st.phase is Phase.WAITING_FOR_GPU and not r.of(StartEngine)  # no start over the others' memory
+    r.tick(stop_cold_requested="another model's turn", gpu=dataclasses.replace(held, taken_at=r.now + 0.5))
+    assert r.st.phase is Phase.COLD and not r.of(StartEngine) and not r.of(StopEngine)

@@ -27,7 +27,7 @@ RESIDENCY = {
     Phase.STOPPED: Residency.COLD,
     Phase.COLD: Residency.COLD,
     Phase.STARTING: Residency.STARTING,
-    Phase.WAITING_FOR_GPU: Residency.STARTING,
+    Phase.WAITING_FOR_GPU: Residency.WAITING,  # held by processes outside r3090d: in nobody's way (arbiter rule 1)
     Phase.RESTARTING: Residency.STARTING,
     Phase.BACKOFF: Residency.STARTING,
     Phase.DRAINING: Residency.STARTING,  # a drained restart: it comes back by itself

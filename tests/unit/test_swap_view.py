@@ -73,9 +73,10 @@ def test_the_swap_sections_keep_their_shape():
     assert set(model) == {
         "name", "kind", "residency", "port", "last_used", "host_bytes", "gpu_bytes", "swaps_in", "swaps_out", "inflight", "waiting", "frozen",
         "engine", "restarts", "health", "inference", "canary", "suspend", "metrics", "watch", "give_up_reason", "next_action", "healing",
+        "fleet",
     }  # fmt: skip
     assert (model["residency"], model["kind"], model["suspend"]["parked"], model["host_bytes"]) == ("parked", "generate", True, 16 * GIB)
-    assert set(raw["swap"]) == {"in_progress", "total", "failed", "last", "latency", "host_budget_bytes", "host_parked_bytes", "router", "max_resident",
+    assert set(raw["swap"]) == {"in_progress", "total", "failed", "abandoned", "last", "latency", "host_budget_bytes", "host_parked_bytes", "router", "max_resident",
                                 "queue_timeout"}  # fmt: skip
     assert raw["swap"]["last"]["to_model"] == "chat" and raw["swap"]["last"]["checkpoint_s"] == 6.3
     assert raw["swap"]["router"] == {"pid": 400, "up": True, "linked": True, "restarts": 0, "last_restart_at": None, "address": "0.0.0.0:8000"}
@@ -365,7 +366,8 @@ def test_the_swap_series():
     assert ("r3090d_model_last_used_timestamp_seconds", model("embed")) not in m  # never used
     assert m[("r3090d_model_requests_frozen", model("coder"))] == 1 and m[("r3090d_model_requests_inflight", model("chat"))] == 2
     assert (m[("r3090d_swaps_total", model("chat"))], m[("r3090d_swaps_total", model("embed"))]) == (4, 0)
-    assert m[("r3090d_swap_failures_total", ())] == 0 and m[("r3090d_swap_in_progress", ())] == 0
+    failures = (m[("r3090d_swap_failures_total", (("outcome", "failed"),))], m[("r3090d_swap_failures_total", (("outcome", "abandoned"),))])
+    assert failures == (0, 0) and m[("r3090d_swap_in_progress", ())] == 0
     buckets = {dict(k[1])["le"]: v for k, v in m.items() if k[0] == "r3090d_swap_seconds_bucket"}
     assert (buckets["2.0"], buckets["5.0"], buckets["10.0"], buckets["30.0"], buckets["60.0"], buckets["+Inf"]) == (0, 1, 2, 2, 3, 3)
     assert (m[("r3090d_swap_seconds_count", ())], m[("r3090d_swap_seconds_sum", ())]) == (3, pytest.approx(44.8))
