@@ -97,7 +97,7 @@ class Fleet:
             argv = argvmod.build_argv(ucfg, engine_version)
             self.units[name] = EngineUnit(ucfg, argv, wake, gpu_monitor=gpu_monitor, engine_version=engine_version, name=name, cold=True)
         self.card = CardState()
-        self.link = LinkServer(cfg.daemon.runtime_dir, wake)
+        self.link = LinkServer(cfg.daemon.runtime_dir, wake, router_pid=lambda: self.router.running_pid())
         self.router = RouterProcess(
             router_argv(cfg.engine.host, cfg.engine.port, str(self.link.path), cfg.swap.queue_timeout, cfg.swap.max_body_mib * MIB,
                         cfg.swap.api_key_file),
