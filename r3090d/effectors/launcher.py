@@ -34,7 +34,6 @@ The daemon's end of the pipes is `LauncherChannel` at the bottom.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import queue
@@ -46,24 +45,16 @@ import threading
 from collections.abc import Iterator
 
 from r3090d.core.suspend_types import Outcome
+from r3090d.effectors.parentdeath import PR_SET_CHILD_SUBREAPER, die_with, prctl
 from r3090d.effectors.suspender_worker import DONE, Command, Line, handle
 
 MODULE = "r3090d.effectors.launcher"
-PR_SET_PDEATHSIG = 1  # prctl.h
-PR_SET_CHILD_SUBREAPER = 36
 DAEMON_GONE = signal.SIGHUP  # the launcher's parent-death signal
 EXIT_SPAWN_FAILED = 127  # as a shell's "command not found"; the reason goes on the reply pipe
 SPAWN_ERROR = "spawn_error"  # the key of the reply line that says the API server could not be started
 
 
 # ------------------------------------------------------------- the launcher's side
-
-
-def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, value, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
 
 
 def _kill_group(_signum=None, _frame=None) -> None:
@@ -114,10 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     signal.signal(DAEMON_GONE, _kill_group)
-    _prctl(PR_SET_PDEATHSIG, DAEMON_GONE)
-    if os.getppid() != args.parent:
-        _kill_group()  # the daemon died before the line above: nobody would see this engine
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    if not die_with(args.parent, DAEMON_GONE):
+        _kill_group()  # the daemon died before the signal was asked for: nobody would see this engine
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
 
     try:
         # stdin, stdout and stderr inherited; the pipes (and every other descriptor) closed.

@@ -4,6 +4,10 @@ The router (`python -m r3090d.router`) is the node's public endpoint in swap mod
 daemon's own checks never go through it. It runs in its own session so that a signal to
 the daemon's terminal does not reach it, and a waiter thread wakes the loop the moment it
 exits, so a dead router is started again within the loop's next turn, not its next poll.
+It is given the daemon's pid (--parent) and stops when the daemon dies (r3090d.router), so a
+killed daemon outside systemd does not leave it holding the public port; call keep_running
+from the loop's thread, which lives as long as the daemon: the router's parent-death signal
+comes when the thread that forked it ends. The link accepts only this router (`running_pid`).
 A router that keeps dying at once is started again after a growing delay (up to
 MAX_RESTART_DELAY_S), never in a busy loop.
 """
@@ -11,6 +15,7 @@ MAX_RESTART_DELAY_S), never in a busy loop.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -52,6 +57,15 @@ class RouterProcess:
         alive = self.proc is not None and self.proc.poll() is None
         return RouterSample(self.proc.pid if self.proc else None, alive, self.restarts, self.last_restart_at, self.last_exit)
 
+    def running_pid(self) -> int | None:
+        """The pid of the router started last while it runs (the one process the link accepts); None otherwise.
+
+        Read by the link's thread: returncode is set by the waiter once the process is reaped,
+        so a dead router's pid, which the kernel may give to another process, is not returned.
+        """
+        proc = self.proc
+        return proc.pid if proc is not None and proc.returncode is None else None
+
     def keep_running(self, now: float) -> None:
         """Start the router, or start it again if it died (after the delay a run of quick deaths earns)."""
         if self.stopping:
@@ -75,7 +89,8 @@ class RouterProcess:
 
     def _spawn(self, now: float) -> None:
         try:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, start_new_session=True)
+            argv = [*self.argv, "--parent", str(os.getpid())]
+            self.proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
             log.error("cannot start the router: %s", exc)
             self.next_start_at = now + MAX_RESTART_DELAY_S

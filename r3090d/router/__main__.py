@@ -1,12 +1,16 @@
 """`python -m r3090d.router`: the router in the foreground, until SIGTERM.
 
     python -m r3090d.router --host H --port P --link RUNTIME_DIR/router.sock \\
-        --queue-timeout S --max-body-bytes N [--api-key-file F] [--drain-timeout S]
+        --queue-timeout S --max-body-bytes N [--api-key-file F] [--drain-timeout S] [--parent PID]
 
 Secrets never travel in argv: the public API key comes from --api-key-file or
 the environment variable R3090D_ROUTER_API_KEY; the engines' keys come in the
 daemon's table. A bad argument exits 64 (usage) and a key file that cannot be
 used 78 (configuration), each with one line on stderr.
+
+The daemon passes its pid as --parent: the router asks for SIGTERM when the
+daemon dies (it drains and exits, freeing the public port, systemd or not), and
+exits 75 at once if that daemon is already gone.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import argparse
 import asyncio
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
 from r3090d import exitcodes
 from r3090d.config.errors import ConfigError
 from r3090d.config.secret import read_secret
+from r3090d.effectors.parentdeath import die_with
 
 ENV_API_KEY = "R3090D_ROUTER_API_KEY"
 PROG = "python -m r3090d.router"
@@ -49,6 +55,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _pid(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
 def _body_limit(text: str) -> int:
     value = int(text)
     if value < 1024:
@@ -60,6 +73,7 @@ def _body_limit(text: str) -> int:
 _positive.__name__ = "seconds (> 0)"
 _port.__name__ = "port (1..65535)"
 _body_limit.__name__ = "byte count (>= 1024)"
+_pid.__name__ = "pid (> 0)"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -80,6 +94,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--drain-timeout", type=_positive, default=5.0, help="seconds streams get to finish at SIGTERM (5)"
     )
+    p.add_argument("--parent", type=_pid, help="the daemon's pid: the router stops when that process dies")
     return p
 
 
@@ -102,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return exitcodes.USAGE
+    if args.parent is not None:
+        if not die_with(args.parent, signal.SIGTERM):  # SIGTERM: the router drains and exits
+            print(f"{PROG}: the daemon that started it (pid {args.parent}) is gone; not serving",
+                  file=sys.stderr)  # fmt: skip
+            return exitcodes.TEMPFAIL
     try:
         key = api_key(args.api_key_file, dict(os.environ))
     except ConfigError as exc:

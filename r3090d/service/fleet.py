@@ -134,7 +134,7 @@ class Fleet:
                 units[name] = EngineUnit(ucfg, argv, wake, gpu_monitor=gpu_monitor, engine_version=engine_version, name=name, cold=True)
         self.units: dict[str, EngineUnit] = units
         self.card = CardState()
-        self.link = link if link is not None else LinkServer(cfg.daemon.runtime_dir, wake)
+        self.link = link if link is not None else LinkServer(cfg.daemon.runtime_dir, wake, router_pid=lambda: self.router.running_pid())
         self.router = router if router is not None else RouterProcess(
             router_argv(cfg.engine.host, cfg.engine.port, str(self.link.path), cfg.swap.queue_timeout, cfg.swap.max_body_mib * MIB,
                         cfg.swap.api_key_file),

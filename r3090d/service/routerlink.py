@@ -4,9 +4,14 @@ The router connects and reads the model table (r3090d.router.link); the daemon s
 connect and whenever it changes, from the loop, so the router learns that an engine is
 ready in the tick it became so. The router's demand (waiting and running requests per
 model) is read by a thread, kept as the latest, and wakes the loop, so the arbiter plans
-a swap as soon as a request for a parked model arrives. One router at a time: a new
-connection replaces the old one (a restarted router). A line that does not decode is
+a swap as soon as a request for a parked model arrives. A line that does not decode is
 logged and skipped.
+
+The table carries the engines' API keys, so the link is the router's alone: a connection is
+accepted only from the router process the daemon started last (its pid, from SO_PEERCRED),
+which replaces any connection held before (the router reconnecting, or a restarted one).
+Any other connection, of our own user or not, is closed unread and unanswered, with one
+warning line; it never takes the router's place.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from r3090d.router.link import Demand, LinkError, Table, decode, encode_table
@@ -29,9 +35,11 @@ SEND_TIMEOUT_S = 1.0  # a router that does not read its table in this long is no
 
 
 class LinkServer:
-    def __init__(self, runtime_dir: str | Path, wake: threading.Event):
+    def __init__(self, runtime_dir: str | Path, wake: threading.Event, router_pid: Callable[[], int | None]):
+        """`router_pid`: the pid of the router the daemon started, while it runs (RouterProcess.running_pid)."""
         self.path = Path(runtime_dir) / LINK_FILE
         self.wake = wake
+        self.router_pid = router_pid
         self.lock = threading.Lock()
         self.conn: socket.socket | None = None
         self.sent: Table | None = None  # what the connected router has
@@ -62,8 +70,11 @@ class LinkServer:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
-            if not _same_user(conn):
-                conn.close()
+            peer, router = _peer(conn), self.router_pid()
+            if peer is None or peer != (router, os.getuid()):
+                log.warning("router link: refused a connection from %s: only the router this daemon started (%s) may hold the link",
+                            _who(peer), f"pid {router}" if router else "none runs now")  # fmt: skip
+                _close(conn)
                 continue
             with self.lock:
                 old, self.conn, self.sent = self.conn, conn, None
@@ -140,14 +151,18 @@ class LinkServer:
         self.path.unlink(missing_ok=True)
 
 
-def _same_user(conn: socket.socket) -> bool:
-    """Only a process of our own user (the router we started) may hold the link; the socket's mode says so too."""
+def _peer(conn: socket.socket) -> tuple[int, int] | None:
+    """The (pid, uid) of the process that connected, from the kernel; None if it cannot be read."""
     try:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except OSError:
-        return False
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid == os.getuid()
+        return None
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def _who(peer: tuple[int, int] | None) -> str:
+    return "an unknown process" if peer is None else f"pid {peer[0]} (uid {peer[1]})"
 
 
 def _send_all(conn: socket.socket, data: bytes, timeout: float) -> None:
