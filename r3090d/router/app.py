@@ -1,15 +1,22 @@
 """The router's HTTP side: the routes, the API key, the body limit, and the wait for a routable model.
 
 A request that names its model in the body goes to that model's engine; one
-for a model not routable now waits in the waitroom (its line, arrival order)
-for at most the queue timeout, then gets 503 with Retry-After. If the engine
-refuses or drops the connection before answering (a swap or a crash raced the
-table), the request waits again, once, for the next table that says routable.
+that names none goes, as vLLM's one model would take it, to the one resident
+model (400 naming the models when not exactly one is). A request for a model
+not routable now waits in the waitroom (its line, arrival order); one deadline,
+the queue timeout from its arrival, bounds all its waiting, then it gets 503
+with Retry-After. A model the daemon gave up on is a 503 with its reason at
+once. If the engine refuses or drops the connection before answering anything
+(a swap or a crash raced the table), the request waits in its line again for a
+newer table that says routable, within the same deadline; a dropped connection
+is first sent again at once, since it may be a pooled one the engine was
+closing, and a refused one then says the engine is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -22,11 +29,12 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from r3090d.core.arbiter import RESIDENT
 from r3090d.router import replies
 from r3090d.router.link import EngineState
 from r3090d.router.linkclient import LinkClient
 from r3090d.router.upstream import BadAnswer, Unreachable, forward, session
-from r3090d.router.waitroom import QueueTimeout, ShuttingDown, UnknownModel, Waitroom
+from r3090d.router.waitroom import GaveUp, QueueTimeout, ShuttingDown, UnknownModel, Waitroom
 
 log = logging.getLogger("r3090d.router")
 
@@ -51,6 +59,9 @@ MODEL_ROUTES = (
     "/detokenize",
 )
 BODY_READ_TIMEOUT_S = 60.0  # a client that sends its body slower than this holds a handler for nothing
+# Sends of one request to engines that answered nothing, each after the first to what a newer table says:
+# more means tables keep naming an engine that is not there, or a request that crashes its engine each time.
+MAX_SENDS = 4
 APP_KEY = web.AppKey("router", object)
 
 
@@ -72,17 +83,29 @@ class Router:
         self.link = LinkClient(options.link, self.waitroom)
         self.client: aiohttp.ClientSession | None = None
         self.started_unix = int(time.time())
-        self._expected_auth = f"Bearer {options.api_key}".encode() if options.api_key else None
+        self._key_digest = _digest(options.api_key) if options.api_key else None
 
     def _demand_changed(self, urgent: bool) -> None:
         self.link.demand_changed(urgent)
 
     # -- checks
     def _authorized(self, request: web.Request) -> bool:
-        if self._expected_auth is None:
+        """vLLM's check: `Authorization: <scheme> <key>`, the scheme `bearer` in any case. Digests are
+        compared, so the time taken says nothing of the key's length either."""
+        if self._key_digest is None:
             return True
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        return hmac.compare_digest(given, self._expected_auth)
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        return hmac.compare_digest(_digest(given), self._key_digest) and scheme.lower() == "bearer"
+
+    def _the_one_resident(self) -> str | web.Response:
+        """The model a request without `model` goes to: the one resident (on the GPU, or going there)."""
+        table = self.waitroom.table
+        if table is None:
+            return replies.not_linked()
+        resident = [m.name for m in table.models if m.state in RESIDENT]
+        if len(resident) == 1:
+            return resident[0]
+        return replies.no_model_named(resident, [m.name for m in table.models])
 
     async def _read_body(self, request: web.Request) -> bytes | web.Response:
         limit = self.options.max_body_bytes
@@ -104,38 +127,44 @@ class Router:
         if isinstance(body, web.Response):
             return body
         name = model_of(body)
+        if name is None:
+            name = self._the_one_resident()
         if isinstance(name, web.Response):
             return name
-        arrived = time.monotonic()
         try:
-            entry = self.waitroom.lookup(name) or await self.waitroom.wait(
-                name, self.options.queue_timeout, arrived
-            )
-            try:
-                return await self._send(request, body, entry)
-            except Unreachable as first:
-                log.warning("%s for %s: %s's engine at %s did not answer (%s); waiting for it again",
-                            request.path, name, name, entry.upstream, first)  # fmt: skip
-                again_after = self.waitroom.generation if first.refused else 0
-                entry = (None if first.refused else self.waitroom.lookup(name)) or await self.waitroom.wait(
-                    name, self.options.queue_timeout, arrived, after_generation=again_after
-                )
-            try:
-                return await self._send(request, body, entry)
-            except Unreachable as second:
-                log.warning(
-                    "%s for %s: %s's engine did not answer again (%s); 502", request.path, name, name, second
-                )
-                return replies.unreachable(name)
+            return await self._deliver(request, body, name, arrived=time.monotonic())
         except BadAnswer as exc:
             log.warning("%s for %s: the engine's answer could not be read (%s); 502", request.path, name, exc)
             return replies.unreadable(name)
         except UnknownModel:
             return replies.unknown_model(name)
+        except GaveUp as exc:
+            return replies.gave_up(name, exc.reason)
         except QueueTimeout:
             return replies.queue_timeout(name, self.options.queue_timeout)
         except ShuttingDown:
             return replies.shutting_down()
+
+    async def _deliver(
+        self, request: web.Request, body: bytes, name: str, arrived: float
+    ) -> web.StreamResponse:
+        """Sends the request to `name`'s engine once routable, and again after an engine that answered
+        nothing, all within one deadline: the queue timeout from `arrived`."""
+        deadline = arrived + self.options.queue_timeout
+        after_generation = 0  # the table the last engine that answered nothing came from; 0: any table
+        for sent in range(1, MAX_SENDS + 1):
+            entry = await self.waitroom.wait(name, deadline - time.monotonic(), arrived, after_generation)
+            generation = self.waitroom.generation
+            try:
+                return await self._send(request, body, entry)
+            except Unreachable as exc:
+                at_once = sent == 1 and not exc.refused
+                log.warning("%s for %s: %s's engine at %s did not answer (%s); %s",
+                            request.path, name, name, entry.upstream, exc,
+                            "sending it again" if at_once else "waiting for it to come back")  # fmt: skip
+                after_generation = 0 if at_once else generation
+        log.warning("%s for %s: %d engines in a row answered nothing; 502", request.path, name, MAX_SENDS)
+        return replies.unreachable(name)
 
     async def _send(self, request: web.Request, body: bytes, entry) -> web.StreamResponse:
         self.waitroom.started(entry.name)
@@ -209,8 +238,13 @@ class OneLineHttpErrors(logging.Filter):
         return False  # the original, with its traceback, is dropped
 
 
-def model_of(body: bytes) -> str | web.Response:
-    """The body's `model`, or the 400 that says what is wrong with the body."""
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+def model_of(body: bytes) -> str | None | web.Response:
+    """The body's `model` (None when it names none, as vLLM reads a missing or null one), or the 400
+    that says what is wrong with the body."""
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -219,7 +253,7 @@ def model_of(body: bytes) -> str | web.Response:
         return replies.bad_request("The request body must be a JSON object.")
     name = obj.get("model")
     if name is None:
-        return replies.bad_request("The request names no `model`; this server routes by it.", "model")
+        return None
     if not isinstance(name, str) or not name:
         return replies.bad_request("`model` must be a non-empty string.", "model")
     return name

@@ -6,13 +6,14 @@ whenever its queues change. Both sides encode and decode through this module,
 so the protocol is written in one place:
 
     daemon -> router  {"type": "table", "seq": N, "models": [{"name", "kind", "state",
-                       "routable", "upstream", "upstream_key"}, ...]}
+                       "routable", "upstream", "upstream_key", "reason"}, ...]}
     router -> daemon  {"type": "demand", "models": {NAME: {"waiting", "oldest_waiting_at",
                        "inflight", "last_used_at"}, ...}}
 
 Times are CLOCK_MONOTONIC seconds (`time.monotonic()`), which every process on
 one Linux host shares. A line that does not decode raises LinkError naming
-what is wrong; the reader logs it and goes on with the next line.
+what is wrong; the reader logs it and goes on with the next line. A model's
+`reason` (why it gave up) may be missing: a daemon from before it sends none.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from r3090d.config.schema import EngineKind as ModelKind
 from r3090d.core.arbiter import Residency as EngineState
 
 MAX_LINE_BYTES = 1024 * 1024  # a table of dozens of models is a few kB; a longer line is not ours
+MAX_REASON_CHARS = 4096  # a give-up reason is a sentence; it goes into a client's error message
 
 
 class LinkError(ValueError):
@@ -43,11 +45,13 @@ class ModelEntry:
     routable: bool
     upstream: str  # http://127.0.0.1:PORT, no path
     upstream_key: str = ""  # the engine's API key, empty when it has none
+    reason: str = ""  # why the daemon gave up on it (state failed), for the clients' 503; empty otherwise
 
     def __repr__(self) -> str:  # the key stays out of logs and tracebacks
         return (
             f"ModelEntry(name={self.name!r}, kind={self.kind.value}, state={self.state.value}, "
-            f"routable={self.routable}, upstream={self.upstream!r}, upstream_key={'***' if self.upstream_key else ''!r})"
+            f"routable={self.routable}, upstream={self.upstream!r}, upstream_key={'***' if self.upstream_key else ''!r}, "
+            f"reason={self.reason!r})"
         )
 
 
@@ -94,6 +98,7 @@ def encode_table(table: Table) -> bytes:
             "routable": m.routable,
             "upstream": m.upstream,
             "upstream_key": m.upstream_key,
+            "reason": m.reason,
         }
         for m in table.models
     ]
@@ -134,8 +139,8 @@ def decode(line: bytes | str) -> Message:
     raise LinkError(f"unknown message type {kind!r}; expected 'table' or 'demand'")
 
 
-def _exact_keys(obj: dict, keys: set[str], where: str) -> None:
-    missing, extra = keys - set(obj), set(obj) - keys
+def _exact_keys(obj: dict, keys: set[str], where: str, optional: frozenset[str] = frozenset()) -> None:
+    missing, extra = keys - set(obj), set(obj) - keys - optional
     if missing:
         raise LinkError(f"{where}: missing {sorted(missing)}")
     if extra:
@@ -170,7 +175,9 @@ def _decode_entry(index: int, m: object) -> ModelEntry:
     where = f"table: models[{index}]"
     if not isinstance(m, dict):
         raise LinkError(f"{where} must be an object")
-    _exact_keys(m, {"name", "kind", "state", "routable", "upstream", "upstream_key"}, where)
+    _exact_keys(
+        m, {"name", "kind", "state", "routable", "upstream", "upstream_key"}, where, frozenset({"reason"})
+    )
     name = m["name"]
     if not isinstance(name, str) or not name or len(name) > 256:
         raise LinkError(f"{where}.name must be a non-empty string of at most 256 characters")
@@ -193,6 +200,9 @@ def _decode_entry(index: int, m: object) -> ModelEntry:
     key = m["upstream_key"]
     if not isinstance(key, str) or any(c in key for c in "\r\n\0"):
         raise LinkError(f"{where}.upstream_key must be a string of one line")
+    reason = m.get("reason", "")
+    if not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS:
+        raise LinkError(f"{where}.reason must be a string of at most {MAX_REASON_CHARS} characters")
     return ModelEntry(
         name=name,
         kind=_enum(ModelKind, m["kind"], f"{where}.kind"),
@@ -200,6 +210,7 @@ def _decode_entry(index: int, m: object) -> ModelEntry:
         routable=m["routable"],
         upstream=upstream.rstrip("/"),
         upstream_key=key,
+        reason=reason,
     )
 
 

@@ -1,4 +1,8 @@
-"""The router's own answers, in the error shape vLLM's OpenAI server uses: {"error": {message, type, param, code}}."""
+"""The router's own answers, in the error shape vLLM's OpenAI server uses: {"error": {message, type, param, code}}.
+
+One exception, as vLLM has it: a missing or wrong API key is answered {"error": "Unauthorized"}, the body of
+vLLM's own authentication middleware.
+"""
 
 from __future__ import annotations
 
@@ -22,8 +26,29 @@ def bad_request(message: str, param: str | None = None) -> web.Response:
 
 
 def unauthorized() -> web.Response:
-    return error(401, "Missing or invalid API key: send `Authorization: Bearer <key>`.", "AuthenticationError",
-                 headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+    # vLLM's body, word for word; the header is HTTP's (RFC 9110 section 11.6.1), which vLLM leaves out.
+    return web.json_response({"error": "Unauthorized"}, status=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+def no_model_named(resident: list[str], known: list[str]) -> web.Response:
+    """A request without `model` when not exactly one model is resident to take it, as vLLM's one model would."""
+    if resident:
+        why = f"{len(resident)} models are resident ({', '.join(resident)})"
+    else:
+        why = "no model is resident to take it"
+    message = f"The request names no `model`, and {why}; name one of: {', '.join(known) or '(none yet)'}."
+    return error(400, message, "BadRequestError", "model")
+
+
+def not_linked() -> web.Response:
+    message = "The request names no `model`, and the router does not know its models yet; retry in a moment."
+    return error(503, message, "ServiceUnavailableError", "model", headers=retry_after(1))
+
+
+def gave_up(name: str, reason: str) -> web.Response:
+    because = f": {reason}" if reason else ""
+    message = f"The model `{name}` is not served: its engine failed and r3090d gave up on it{because}."
+    return error(503, message, "ServiceUnavailableError", "model")
 
 
 def unknown_model(name: str) -> web.Response:

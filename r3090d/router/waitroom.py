@@ -3,10 +3,12 @@
 The daemon's latest table says, per model, whether it is `routable`. A request
 for a routable model goes at once; any other waits in its model's line, first
 come first served, until a table says routable (all of that model's waiters are
-released together, in arrival order) or its deadline passes. The counts kept
-here (waiting, the oldest arrival, in flight, last use) are the demand the
-daemon's arbiter reads; every change is reported through `on_change`, urgent
-when a model gets its first waiter, so the daemon can start a swap at once.
+released together, in arrival order) or its deadline passes. A model the daemon
+has given up on (state failed) takes no request: its waiters and every new
+request are answered GaveUp at once. The counts kept here (waiting, the oldest
+arrival, in flight, last use) are the demand the daemon's arbiter reads; every
+change is reported through `on_change`, urgent when a model gets its first
+waiter, so the daemon can start a swap at once.
 
 One asyncio loop owns all of it: no locks.
 """
@@ -18,11 +20,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from r3090d.router.link import Demand, ModelDemand, ModelEntry, Table
+from r3090d.router.link import Demand, EngineState, ModelDemand, ModelEntry, Table
 
 
 class UnknownModel(Exception):
     """No model of that name in the table."""
+
+
+class GaveUp(Exception):
+    """The daemon has given up on the model's engine (state failed); `reason` is the daemon's why, or empty."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(name)
+        self.reason = reason
 
 
 class QueueTimeout(Exception):
@@ -63,7 +73,7 @@ class Waitroom:
     # -- the daemon's side
     def apply(self, table: Table) -> None:
         """A new table: release the waiters of every model it makes routable, in arrival order, and
-        answer those of models it no longer has with UnknownModel."""
+        answer those of models it no longer has with UnknownModel, those of models given up on with GaveUp."""
         self.table = table
         self.generation += 1
         for name, lane in self._lanes.items():
@@ -74,6 +84,8 @@ class Waitroom:
                     continue
                 if entry is None:
                     waiter.future.set_exception(UnknownModel(name))
+                elif entry.state is EngineState.FAILED:
+                    waiter.future.set_exception(GaveUp(name, entry.reason))
                 elif entry.routable and waiter.after_generation < self.generation:
                     waiter.future.set_result(entry)
                 else:
@@ -92,7 +104,8 @@ class Waitroom:
 
     # -- the requests' side
     def lookup(self, name: str) -> ModelEntry | None:
-        """The entry to send to now, or None when the request must wait. UnknownModel once a table lacks it."""
+        """The entry to send to now, or None when the request must wait. UnknownModel once a table lacks it,
+        GaveUp while the daemon has given up on it."""
         if self._closed:
             raise ShuttingDown()
         if self.table is None:
@@ -100,15 +113,21 @@ class Waitroom:
         entry = self.table.get(name)
         if entry is None:
             raise UnknownModel(name)
+        if entry.state is EngineState.FAILED:
+            raise GaveUp(name, entry.reason)
         return entry if entry.routable else None
 
     async def wait(
         self, name: str, timeout: float, arrived: float | None = None, after_generation: int = 0
     ) -> ModelEntry:
-        """Waits in `name`'s line until a table makes it routable; QueueTimeout after `timeout` s.
-        `arrived` keeps a re-queued request's place; `after_generation` makes it wait for a newer table."""
+        """The entry to send to: at once when the latest table, if newer than `after_generation`, says
+        routable; else after waiting in `name`'s line until a newer table does. QueueTimeout after `timeout` s.
+        `arrived` keeps a re-queued request's place; `after_generation` is the table an engine that did not
+        answer came from, so the request goes only to what a newer table says."""
         if self._closed:
             raise ShuttingDown()
+        if after_generation < self.generation and (entry := self.lookup(name)) is not None:
+            return entry
         lane = self._lanes.setdefault(name, _Lane())
         waiter = _Waiter(
             arrived=self._clock() if arrived is None else arrived, after_generation=after_generation

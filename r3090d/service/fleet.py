@@ -425,13 +425,15 @@ class Fleet:
     @staticmethod
     def _entry(name: str, unit: EngineUnit, routable: bool) -> ModelEntry:
         st = unit.st
+        state = EngineState(residency(st).value)
         return ModelEntry(
             name=name,
             kind=ModelKind(unit.cfg.engine.kind.value),
-            state=EngineState(residency(st).value),
+            state=state,
             routable=routable,
             upstream=unit.cfg.engine_url,
             upstream_key=unit.cfg.api_key,
+            reason=(st.give_up_reason or "") if state is EngineState.FAILED else "",
         )
 
     # ------------------------------------------------------------------ for the operator

@@ -22,6 +22,9 @@ from r3090d.router.link import (
 
 CHAT = ModelEntry("chat", ModelKind.GENERATE, EngineState.READY, True, "http://127.0.0.1:18101", "s3cret")
 EMBED = ModelEntry("search", ModelKind.EMBED, EngineState.PARKED, False, "http://127.0.0.1:18102", "")
+GAVE_UP = ModelEntry(
+    "code", ModelKind.GENERATE, EngineState.FAILED, False, "http://127.0.0.1:18103", "", "5 restarts"
+)
 
 
 def entry(**changes) -> dict:
@@ -45,7 +48,7 @@ def demand_line(**models) -> str:
 
 
 def test_a_table_round_trips():
-    table = Table(seq=7, models=(CHAT, EMBED))
+    table = Table(seq=7, models=(CHAT, EMBED, GAVE_UP))
     line = encode_table(table)
     assert line.endswith(b"\n") and line.count(b"\n") == 1  # one message, one line
     assert decode(line) == table
@@ -56,7 +59,14 @@ def test_a_table_round_trips():
         "routable": True,
         "upstream": "http://127.0.0.1:18101",
         "upstream_key": "s3cret",
+        "reason": "",
     }
+    assert json.loads(line)["models"][2]["reason"] == "5 restarts"
+
+
+def test_a_table_from_a_daemon_that_sends_no_reason_decodes_with_none():
+    assert decode(table_line(entry())).models[0].reason == ""
+    assert decode(table_line(entry(state="failed", reason="gave up: OOM"))).models[0].reason == "gave up: OOM"
 
 
 def test_a_demand_round_trips():
@@ -126,6 +136,8 @@ def test_every_state_and_kind_decodes():
         (table_line(entry(upstream_key="a\nb")), "upstream_key"),
         (table_line({k: v for k, v in entry().items() if k != "upstream_key"}), "missing ['upstream_key']"),
         (table_line({**entry(), "port": 1}), "unknown ['port']"),
+        (table_line(entry(reason=None)), "reason"),
+        (table_line(entry(reason="x" * 5000)), "reason"),
         (json.dumps({"type": "demand", "models": []}), "object of model names"),
         (demand_line(chat=3), "must be an object"),
         (

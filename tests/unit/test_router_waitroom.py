@@ -12,7 +12,7 @@ import pytest
 from r3090d.router import linkclient
 from r3090d.router.link import Demand, EngineState, ModelEntry, ModelKind, Table, decode, encode_table
 from r3090d.router.linkclient import LinkClient
-from r3090d.router.waitroom import QueueTimeout, ShuttingDown, UnknownModel, Waitroom
+from r3090d.router.waitroom import GaveUp, QueueTimeout, ShuttingDown, UnknownModel, Waitroom
 
 
 def entry(name: str, routable: bool, port: int = 18101) -> ModelEntry:
@@ -106,6 +106,46 @@ def test_a_requeued_request_waits_for_a_newer_table_even_when_the_current_one_sa
         assert not retry.done()
         room.apply(table(entry("chat", True), seq=2))
         assert (await retry).name == "chat"
+
+    run(scenario())
+
+
+def test_a_requeued_request_goes_at_once_to_a_newer_table_that_came_while_it_was_out():
+    async def scenario():
+        room = Waitroom()
+        room.apply(table(entry("chat", True)))
+        sent_with = room.generation
+        room.apply(
+            table(entry("chat", True, port=18102), seq=2)
+        )  # the engine came back while the send failed
+        again = await room.wait("chat", 5, after_generation=sent_with)
+        assert again.upstream == "http://127.0.0.1:18102"
+        assert room.demand().models["chat"].waiting == 0  # it never stood in the line
+
+    run(scenario())
+
+
+def test_a_model_given_up_on_answers_its_waiters_and_new_requests_at_once_with_the_reason():
+    async def scenario():
+        room = Waitroom()
+        room.apply(table(entry("chat", False), entry("code", False)))
+        waiting = asyncio.create_task(room.wait("chat", 60))
+        other = asyncio.create_task(room.wait("code", 60))
+        await asyncio.sleep(0)
+        failed = ModelEntry("chat", ModelKind.GENERATE, EngineState.FAILED, False, "http://127.0.0.1:18101", "",
+                            "5 restarts in 600 s")  # fmt: skip
+        room.apply(table(failed, entry("code", False), seq=2))
+        with pytest.raises(GaveUp) as caught:
+            await asyncio.wait_for(waiting, 1)  # at once, not after its 60 s
+        assert caught.value.reason == "5 restarts in 600 s"
+        with pytest.raises(GaveUp):
+            room.lookup("chat")
+        with pytest.raises(GaveUp):
+            await room.wait("chat", 60, after_generation=1)
+        assert not other.done()  # another model's line is not touched
+        other.cancel()
+        await asyncio.gather(other, return_exceptions=True)
+        assert room.demand().models["chat"].waiting == 0
 
     run(scenario())
 
