@@ -137,12 +137,17 @@ def initial_state(now: float, *, cold: bool = False) -> PolicyState:
 @dataclass(frozen=True)
 class RestartHistory:
     """What one daemon hands on to the next through its state file, so that a crash, a kill or a restart
-    of the daemon resets neither the restart_storm count nor the run of start failures toward a give-up."""
+    of the daemon resets neither the restart_storm count, nor the run of start failures toward a give-up,
+    nor the count of the engine's restarts that `status` and the exporter show."""
 
     restart_times: tuple[float, ...] = ()  # unrequested restarts, monotonic times of the new daemon's clock
     start_failures: int = 0
     same_cause_run: int = 0
     last_root_cause: str | None = None
+    restarts_total: int = 0
+    restarts_by_reason: tuple[tuple[str, int], ...] = ()
+    last_restart_reason: str | None = None
+    last_restart_at: float | None = None  # monotonic, of the new daemon's clock
 
 
 def carry_on(st: PolicyState, history: RestartHistory, cfg: Config, now: float) -> PolicyState:
@@ -156,6 +161,10 @@ def carry_on(st: PolicyState, history: RestartHistory, cfg: Config, now: float) 
         start_failures=failures,
         same_cause_run=min(max(0, history.same_cause_run), failures),
         last_root_cause=history.last_root_cause,
+        restarts_total=max(0, history.restarts_total),
+        restarts_by_reason=tuple(sorted((reason, n) for reason, n in history.restarts_by_reason if n > 0)),
+        last_restart_reason=history.last_restart_reason,
+        last_restart_at=None if history.last_restart_at is None else min(history.last_restart_at, now),
     )
 
 
