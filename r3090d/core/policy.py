@@ -19,13 +19,15 @@ The engine moves through phases:
 
 Restart semantics: a start *succeeds* once the engine has served (vLLM counts a
 request completed with finish reason stop, length or repetition, beyond the
-daemon's own probes) or has been ready for `min_uptime`, whichever comes first.
+daemon's own probes; a pooling request finishes as stop) or has been ready for
+`min_uptime`, whichever comes first, judged before a death seen in the same tick.
 A *start failure* is an engine that died before either. Only consecutive start
 failures grow the backoff and lead to a give-up (after `start_failures` of them,
 or after `same_cause_failures` in a row with the same root-cause line). An
 engine whose start succeeded and then fails is restarted at once, for ever:
 restarting is exactly what fixes it; only the same certain root cause again and
-again backs off (capped), and never gives up. A give-up retries by itself every
+again backs off (capped), and never gives up; an engine healthy for `min_uptime`
+ends that run. A give-up retries by itself every
 `watchdog.give_up_retry` seconds.
 
 Every start passes one gate (`start_gate`): no start while the card needs a
@@ -45,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from r3090d import exitcodes
-from r3090d.config.schema import Config, EngineKind
+from r3090d.config.schema import Config
 from r3090d.core import alerting, canary, rules, suspension
 from r3090d.core.actions import (
     Action,
@@ -135,12 +137,17 @@ def initial_state(now: float, *, cold: bool = False) -> PolicyState:
 @dataclass(frozen=True)
 class RestartHistory:
     """What one daemon hands on to the next through its state file, so that a crash, a kill or a restart
-    of the daemon resets neither the restart_storm count nor the run of start failures toward a give-up."""
+    of the daemon resets neither the restart_storm count, nor the run of start failures toward a give-up,
+    nor the count of the engine's restarts that `status` and the exporter show."""
 
     restart_times: tuple[float, ...] = ()  # unrequested restarts, monotonic times of the new daemon's clock
     start_failures: int = 0
     same_cause_run: int = 0
     last_root_cause: str | None = None
+    restarts_total: int = 0
+    restarts_by_reason: tuple[tuple[str, int], ...] = ()
+    last_restart_reason: str | None = None
+    last_restart_at: float | None = None  # monotonic, of the new daemon's clock
 
 
 def carry_on(st: PolicyState, history: RestartHistory, cfg: Config, now: float) -> PolicyState:
@@ -154,6 +161,10 @@ def carry_on(st: PolicyState, history: RestartHistory, cfg: Config, now: float) 
         start_failures=failures,
         same_cause_run=min(max(0, history.same_cause_run), failures),
         last_root_cause=history.last_root_cause,
+        restarts_total=max(0, history.restarts_total),
+        restarts_by_reason=tuple(sorted((reason, n) for reason, n in history.restarts_by_reason if n > 0)),
+        last_restart_reason=history.last_restart_reason,
+        last_restart_at=None if history.last_restart_at is None else min(history.last_restart_at, now),
     )
 
 
@@ -415,6 +426,9 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
     # STARTING or READY: the engine of st.generation should be running.
     if child.generation != st.generation:
         return st  # the spawn has not shown up in a sample yet
+    if st.phase is Phase.READY:
+        # Before the death, if any: an engine that served its first request and died in one poll had succeeded.
+        st = _track_success(snap, st, cfg, now)
     if not child.alive:
         if child.spawn_error:
             return _fail(snap, st, cfg, now, actions, events, RestartReason.SPAWN_FAILED, child.spawn_error, drain=False)
@@ -434,7 +448,6 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
         return st
 
     # READY
-    st = _track_success(snap, st, cfg, now)
     watch, verdict = rules.assess(snap, st.watch, cfg, now)
     st = replace(st, watch=watch)
     if snap.restart_requested is not None:
@@ -473,30 +486,33 @@ def _healthy_for(st: PolicyState, cfg: Config, now: float) -> bool:
 def served_since_ready(snap: Snapshot, st: PolicyState) -> tuple[float | None, bool]:
     """(the baseline, whether the engine completed a request of its own clients since it was first read READY).
 
-    vLLM's completed requests (stop, length, repetition) less every probe the daemon sent:
-    the daemon's own requests never count as the engine having served.
+    vLLM's completed requests (stop, length, repetition; a pooling request finishes as stop) less the daemon's
+    own: every probe sent, but those that ended without an answer (vLLM never completes them), so that the
+    daemon's own requests never count as the engine having served, and a probe lost for good hides no client's.
     """
     served = snap.metrics.served_total
     if served is None or snap.metrics.error is not None:
         return st.served_base, False
-    net = served - snap.inference.sent_total - snap.canary.sent_total
+    own = snap.inference.sent_total - snap.inference.unanswered_total + snap.canary.sent_total - snap.canary.unanswered_total
+    net = served - own
     if st.served_base is None:
         return net, False
     return st.served_base, net > st.served_base
 
 
 def _track_success(snap: Snapshot, st: PolicyState, cfg: Config, now: float) -> PolicyState:
-    """READY: a start succeeds once the engine served or was ready for min_uptime; widened detectors narrow after min_uptime."""
+    """READY: a start succeeds once the engine served or was ready for min_uptime; after min_uptime, widened
+    detectors narrow and the same-cause backoff starts afresh (the same cause weeks apart is not a run)."""
     if not st.succeeded:
         base, served = served_since_ready(snap, st)
-        # Served means completions (stop, length, repetition): an embedding engine's success is its min_uptime.
-        served = served and cfg.engine.kind is EngineKind.GENERATE
         st = replace(st, served_base=base)
         if served or _healthy_for(st, cfg, now):
             st = replace(st, succeeded=True, start_failures=0, same_cause_run=0, backoff_level=0, retrying=False,
                          retry_at=None, retry_attempts=0, gave_up_unresolved=False, give_up_reason=None)  # fmt: skip
     if st.detector_scale and _healthy_for(st, cfg, now):
         st = replace(st, detector_scale=(), watch=_scaled(st.watch, ()))
+    if st.recovered_same_cause and _healthy_for(st, cfg, now):
+        st = replace(st, recovered_same_cause=0)
     return st
 
 

@@ -202,6 +202,7 @@ class InferenceProbeSample:
     detail: str = ""
     consecutive_failures: int = 0
     sent_total: int = 0  # probes sent since the daemon started, over all engines
+    unanswered_total: int = 0  # of those, the ones that ended without an answer (refused, timed out, an HTTP error)
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,7 @@ class CanarySample:
     answer: CanaryAnswer | None = None  # None: in flight, never sent, or failed (error)
     error: str = ""
     sent_total: int = 0  # canaries sent since the daemon started: never counted as the engine having served
+    unanswered_total: int = 0  # of those, the ones that ended without an answer (refused, timed out, an HTTP error)
     persisted: CanaryAnswer | None = None  # an earlier engine's baseline with this engine's dependencies
 
 

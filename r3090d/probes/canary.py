@@ -26,7 +26,7 @@ from r3090d.config.schema import CanaryConfig
 from r3090d.core.snapshot import CanaryAnswer, CanarySample
 from r3090d.core.vocabulary import CanaryPurpose
 from r3090d.probes.http import engine_client
-from r3090d.probes.offloop import OffLoop
+from r3090d.probes.offloop import Exchange, OffLoop
 
 _MAX_DETAIL = 200
 _TOKEN_PREFIX = "token_id:"
@@ -108,8 +108,8 @@ class CanaryProber(OffLoop[CanarySample]):
     """Sends one canary at a time in its own thread; the loop reads the latest result."""
 
     def __init__(self, base_url: str, model: str, api_key: str, cc: CanaryConfig, wake=None, *, sent_before: int = 0,
-                 persisted: CanaryAnswer | None = None):  # fmt: skip
-        super().__init__(CanarySample(), wake, sent_before)
+                 unanswered_before: int = 0, persisted: CanaryAnswer | None = None):  # fmt: skip
+        super().__init__(CanarySample(), wake, sent_before, unanswered_before)
         self._url = base_url.rstrip("/") + "/v1/completions"
         self._model = model
         self._api_key = api_key
@@ -123,27 +123,35 @@ class CanaryProber(OffLoop[CanarySample]):
 
     def send(self, purpose: CanaryPurpose) -> None:
         def not_started(generation: int, exc: Exception) -> None:
-            self._finish(generation, None, f"canary not started: {type(exc).__name__}")
+            self._finish(generation, None, f"canary not started: {type(exc).__name__}", unanswered=True)
 
         self._begin(lambda _prev: CanarySample(sent_at=time.monotonic()), self._run, f"canary-{purpose.value}", not_started)
 
     def _run(self, generation: int) -> None:
         answer, error = None, "the canary ended without an answer"
+        exchange = Exchange()
+        unanswered = False  # unknown (a BaseException): counted as answered, as while in flight
         try:
-            answer, error = self._request(), ""
+            answer, error = self._attempt(exchange)
+            unanswered = not exchange.answered
+        finally:
+            self._finish(generation, answer, error, unanswered=unanswered)
+
+    def _attempt(self, exchange: Exchange) -> tuple[CanaryAnswer | None, str]:
+        """The answer, or what kept the canary from one."""
+        try:
+            return self._request(exchange), ""
         except CanaryError as exc:
-            error = _short(f"not a canary answer: {exc}")
+            return None, _short(f"not a canary answer: {exc}")
         except httpx.TimeoutException:
-            error = f"no answer within {self._cfg.timeout:.0f} s"
+            return None, f"no answer within {self._cfg.timeout:.0f} s"
         except httpx.HTTPError as exc:
-            error = type(exc).__name__  # its message can quote the request's headers
+            return None, type(exc).__name__  # its message can quote the request's headers
         except Exception as exc:  # noqa: BLE001 - any failure is an error, never a stuck canary
             message = f"{type(exc).__name__}: {exc}"
-            error = _short(message.replace(self._api_key, "<api key>") if self._api_key else message)
-        finally:
-            self._finish(generation, answer, error)
+            return None, _short(message.replace(self._api_key, "<api key>") if self._api_key else message)
 
-    def _request(self) -> CanaryAnswer:
+    def _request(self, exchange: Exchange) -> CanaryAnswer:
         headers = {"Connection": "close"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
@@ -153,6 +161,7 @@ class CanaryProber(OffLoop[CanarySample]):
             with client.stream("POST", self._url, json=body, headers=headers) as resp:
                 if resp.status_code != 200:
                     raise CanaryError(f"HTTP {resp.status_code}")
+                exchange.answered = True
                 raw = b""
                 for chunk in resp.iter_bytes():
                     raw += chunk
@@ -164,8 +173,9 @@ class CanaryProber(OffLoop[CanarySample]):
             raise CanaryError("the answer is not JSON") from None
         return parse(doc, self._cfg.max_tokens)
 
-    def _finish(self, generation: int, answer: CanaryAnswer | None, error: str) -> None:
-        self._end(generation, lambda prev: CanarySample(sent_at=prev.sent_at, finished_at=time.monotonic(), answer=answer, error=error))
+    def _finish(self, generation: int, answer: CanaryAnswer | None, error: str, *, unanswered: bool) -> None:
+        self._end(generation, lambda prev: CanarySample(sent_at=prev.sent_at, finished_at=time.monotonic(), answer=answer, error=error),
+                  unanswered=unanswered)  # fmt: skip
 
     @property
     def persisted(self) -> CanaryAnswer | None:
@@ -175,7 +185,7 @@ class CanaryProber(OffLoop[CanarySample]):
         with self._lock:
             s = self._sample
             return CanarySample(sent_at=s.sent_at, finished_at=s.finished_at, answer=s.answer, error=s.error,
-                                sent_total=self._sent_total, persisted=self._persisted)  # fmt: skip
+                                sent_total=self._sent_total, unanswered_total=self._unanswered_total, persisted=self._persisted)  # fmt: skip
 
 
 def _short(text: str) -> str:

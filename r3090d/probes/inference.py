@@ -27,7 +27,7 @@ import httpx
 from r3090d.config.schema import EngineKind
 from r3090d.core.snapshot import InferenceProbeSample
 from r3090d.probes.http import engine_client
-from r3090d.probes.offloop import OffLoop
+from r3090d.probes.offloop import Exchange, OffLoop
 
 _MAX_DETAIL = 200
 OVERDUE_MARGIN_S = 2.0
@@ -86,8 +86,8 @@ PROBE_REQUESTS: dict[EngineKind, ProbeRequest] = {
 
 class InferenceProber(OffLoop[InferenceProbeSample]):
     def __init__(self, base_url: str, model: str, api_key: str, timeout: float, wake=None, *, sent_before: int = 0,
-                 kind: EngineKind = EngineKind.GENERATE):  # fmt: skip
-        super().__init__(InferenceProbeSample(), wake, sent_before)
+                 unanswered_before: int = 0, kind: EngineKind = EngineKind.GENERATE):  # fmt: skip
+        super().__init__(InferenceProbeSample(), wake, sent_before, unanswered_before)
         self._probe = PROBE_REQUESTS[kind]
         self._url = base_url.rstrip("/") + self._probe.path
         self._model = model
@@ -103,21 +103,25 @@ class InferenceProber(OffLoop[InferenceProbeSample]):
             return InferenceProbeSample(sent_at=time.monotonic(), finished_at=prev.finished_at, ok=None, consecutive_failures=prev.consecutive_failures)
 
         def not_started(generation: int, exc: Exception) -> None:
-            self._finish(generation, False, _short(f"probe not started: {type(exc).__name__}: {exc}"))
+            self._finish(generation, False, _short(f"probe not started: {type(exc).__name__}: {exc}"), unanswered=True)
 
         self._begin(in_flight, self._run, "inference-probe", not_started)
 
     def _run(self, generation: int) -> None:
         ok, detail = False, "the probe ended without an answer"
+        exchange = Exchange()
+        unanswered = False  # unknown (a BaseException): counted as answered, as while in flight
         try:
-            ok, detail = self._request()
+            ok, detail = self._request(exchange)
+            unanswered = not exchange.answered
         except Exception as exc:  # noqa: BLE001 - any failure is a failed probe
             ok, detail = False, self._describe(exc)
+            unanswered = not exchange.answered
         finally:
             # Also reached on BaseException, with the default failure above.
-            self._finish(generation, ok, detail)
+            self._finish(generation, ok, detail, unanswered=unanswered)
 
-    def _request(self) -> tuple[bool, str]:
+    def _request(self, exchange: Exchange) -> tuple[bool, str]:
         headers = dict(_HEADERS)
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
@@ -128,6 +132,7 @@ class InferenceProber(OffLoop[InferenceProbeSample]):
             with client.stream("POST", self._url, json=body, headers=headers) as resp:
                 if resp.status_code != 200:
                     return False, f"HTTP {resp.status_code}"
+                exchange.answered = True
                 if self._probe.judge is None:
                     return True, ""
                 answer = _read_bounded(resp, deadline, self._timeout)
@@ -149,12 +154,12 @@ class InferenceProber(OffLoop[InferenceProbeSample]):
                 message = message.replace(form, "<api key>")
         return _short(f"{name}: {message}")
 
-    def _finish(self, generation: int, ok: bool, detail: str) -> None:
+    def _finish(self, generation: int, ok: bool, detail: str, *, unanswered: bool) -> None:
         def finished(prev: InferenceProbeSample) -> InferenceProbeSample:
             return InferenceProbeSample(sent_at=prev.sent_at, finished_at=time.monotonic(), ok=ok, detail=detail,
                                         consecutive_failures=0 if ok else prev.consecutive_failures + 1)  # fmt: skip
 
-        self._end(generation, finished)
+        self._end(generation, finished, unanswered=unanswered)
 
     def sample(self) -> InferenceProbeSample:
         """The latest result. A probe still in flight past its timeout plus a margin is
@@ -174,7 +179,7 @@ class InferenceProber(OffLoop[InferenceProbeSample]):
                     detail=f"no answer within {self._timeout:.0f} s (the request outlived its timeout)",
                     consecutive_failures=prev.consecutive_failures + 1,
                 )
-            return replace(self._sample, sent_total=self._sent_total)
+            return replace(self._sample, sent_total=self._sent_total, unanswered_total=self._unanswered_total)
 
 
 def _read_bounded(resp: httpx.Response, deadline: float, timeout: float) -> bytes | str:

@@ -288,7 +288,7 @@ def _engine_families(f: _Families) -> None:
     f.per_engine("r3090d_suspended_gpu_bytes", "GPU memory the suspended engine held, checkpointed: what a resume needs free (absent while not suspended)",
                  lambda e: held(e).gpu_bytes if held(e) else None)  # fmt: skip
 
-    f.per_engine_by("r3090d_restarts", "engine restarts since the daemon started, by reason", "reason",
+    f.per_engine_by("r3090d_restarts", "engine restarts by reason (one engine: counted on across daemon restarts)", "reason",
                     lambda e: sorted(({reason: 0 for reason in RESTART_REASONS} | e.doc.restarts.by_reason).items()), family=CounterMetricFamily)  # fmt: skip
     f.per_engine("r3090d_restart_backoff_level", "consecutive restarts without a stable period", lambda e: e.doc.restarts.backoff_level)
     # The daemon's own count, which its restart_storm alert judges: unlike increase() over the counter, it

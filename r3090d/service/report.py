@@ -197,6 +197,10 @@ def preflight_report(
 def restart_history(restarts: RestartsInfo) -> RestartsInfo:
     """What a daemon's successor counts on from (state.carried_over), without what was this daemon's alone."""
     return RestartsInfo(
+        total=restarts.total,
+        by_reason=restarts.by_reason,
+        last_reason=restarts.last_reason,
+        last_at=restarts.last_at,
         last_root_cause=restarts.last_root_cause,
         start_failures=restarts.start_failures,
         same_cause_run=restarts.same_cause_run,

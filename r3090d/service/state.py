@@ -113,4 +113,8 @@ def history_from_json(data, offset: float) -> RestartHistory:
         start_failures=restarts.start_failures,
         same_cause_run=restarts.same_cause_run,
         last_root_cause=restarts.last_root_cause,
+        restarts_total=max(0, restarts.total),
+        restarts_by_reason=tuple(sorted((reason, n) for reason, n in restarts.by_reason.items() if n > 0)),
+        last_restart_reason=restarts.last_reason,
+        last_restart_at=None if restarts.last_at is None else restarts.last_at - offset,
     )

@@ -269,9 +269,9 @@ def _engine_panel(d: StateDocument, verdict: HealthVerdict, now: float, *, note:
         last_at = restarts.last_at
         lines.append(f"Restarts   {restarts.total} ({by}); last: {restarts.last_reason}, {ago(now - last_at) + ' ago' if last_at else '-'}")
     else:
-        lines.append("Restarts   none since the daemon started")
+        lines.append("Restarts   none")
     if restarts.recent:
-        # restart_storm's count, which a restart of the daemon does not reset: it can hold restarts the line above does not.
+        # restart_storm's count, which a restart of the daemon does not reset either.
         window = d.thresholds.restart_storm_window_s
         lines.append(f"Recent     {restarts.recent} unrequested restarts within {ago(window) if window else 'the storm window'}, earlier daemons' included")
     return lines + _alert_lines(d, verdict, now)

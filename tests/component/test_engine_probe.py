@@ -477,6 +477,29 @@ def test_inference_probe_ok_and_http_error(serve):
     assert sample.ok is False and sample.detail == "HTTP 500"
 
 
+@pytest.mark.parametrize(
+    "server, ok, unanswered",
+    [
+        ("completion", True, 0),  # vLLM completed it: its count holds the probe
+        ("http_500", False, 1),  # an HTTP error: vLLM completed nothing
+        ("refused", False, 1),
+        ("silent", False, 1),  # no answer within the timeout: the client hangs up, vLLM aborts the request
+    ],
+)
+def test_a_probe_is_counted_by_its_end(serve, closed_url, silent_url, server, ok, unanswered):
+    """The policy subtracts the daemon's own requests from vLLM's completed ones: a probe that ended
+    without an answer is not among them, so it no longer counts once it has ended."""
+    urls = {"completion": lambda: serve({"/v1/completions": completion}).url,
+            "http_500": lambda: serve({"/v1/completions": answer(500, "no\n")}).url,
+            "refused": lambda: closed_url, "silent": lambda: silent_url}  # fmt: skip
+    wake = threading.Event()
+    prober = InferenceProber(urls[server](), MODEL, "", timeout=1, wake=wake)
+    sample = run_inference_probe(prober, wake)
+    assert (sample.ok, sample.sent_total, sample.unanswered_total) == (ok, 1, unanswered), sample.detail
+    again = InferenceProber("http://127.0.0.1:9", MODEL, "", timeout=1, sent_before=prober.sent_total, unanswered_before=prober.unanswered_total)
+    assert (again.sample().sent_total, again.sample().unanswered_total) == (1, unanswered)  # carried over a reload
+
+
 def test_a_probe_stuck_past_its_timeout_is_failed_not_left_in_flight():
     """A server that accepts and never answers, with the client's timeout defeated (as a hung
     DNS lookup would): the sample still reports a failure once timeout + margin has passed."""
@@ -491,7 +514,7 @@ def test_a_probe_stuck_past_its_timeout_is_failed_not_left_in_flight():
     hold = threading.Event()
 
     prober = inference.InferenceProber(f"http://127.0.0.1:{port}", "m", "", timeout=0.5)
-    prober._request = lambda: (hold.wait(30), (True, ""))[1]  # the boundary: a request that ignores its timeout
+    prober._request = lambda _exchange: (hold.wait(30), (True, ""))[1]  # the boundary: a request that ignores its timeout
     try:
         prober.send()
         assert prober.sample().ok is None  # in flight
@@ -501,6 +524,7 @@ def test_a_probe_stuck_past_its_timeout_is_failed_not_left_in_flight():
         )
         s = prober.sample()
         assert s.ok is False and s.consecutive_failures == 1 and "outlived its timeout" in s.detail
+        assert s.unanswered_total == 0  # its end is unknown: it stays counted as one vLLM may complete
         hold.set()  # the late answer of the abandoned thread changes nothing
         for t in threading.enumerate():
             if t.name == "inference-probe":

@@ -163,10 +163,13 @@ def test_a_killed_daemons_successor_counts_on_from_its_recent_restarts(run_daemo
     assert alert_lines(second.log(), "restart_storm") == [], second.log()[-3000:]  # no RESOLVED, no second FIRING
     assert "restart_storm" in now["alerts"]["firing"]
     restarts = now["restarts"]
-    assert (restarts["recent"], restarts["total"]) == (4, 0), restarts  # the window's count goes on; the counter is this daemon's
+    # The window's count goes on, and so do the engine's restart counters: they count the engine's restarts, not the daemon's.
+    assert (restarts["recent"], restarts["total"], restarts["by_reason"]) == (4, 4, st["restarts"]["by_reason"]), restarts
+    assert restarts["last_reason"] == st["restarts"]["last_reason"] and restarts["last_at"] == pytest.approx(st["restarts"]["last_at"], abs=0.05)
     assert restarts["recent_at"] == pytest.approx(st["restarts"]["recent_at"], abs=0.05)
     status = ctl(second.config_path, "status")
     assert "Recent     4 unrequested restarts within 10 min" in status.stdout, status.stdout + status.stderr
+    assert "Restarts   4 (" in status.stdout, status.stdout
 
 
 def test_a_killed_daemons_successor_counts_on_from_its_start_failures(run_daemon, tmp_path, fake_engine_python):  # noqa: F811

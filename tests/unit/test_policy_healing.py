@@ -19,6 +19,7 @@ from r3090d.core import policy
 from r3090d.core.actions import RequestGpuSample, SendAlert, StartEngine, StopEngine
 from r3090d.core.policy import Phase
 from r3090d.core.snapshot import (
+    CanarySample,
     ChildSample,
     GpuProcess,
     GpuSample,
@@ -123,16 +124,83 @@ def test_the_daemons_own_probes_do_not_count_as_serving():
     assert r.st.start_failures == 1
 
 
-def test_an_embedding_engine_succeeds_by_min_uptime_only():
-    """Served means completions: the served rule judges generative engines only."""
-    c = cfg()
-    c = dataclasses.replace(c, engine=dataclasses.replace(c.engine, kind=EngineKind.EMBED))
+@pytest.mark.parametrize("kind", [EngineKind.GENERATE, EngineKind.EMBED])
+@pytest.mark.parametrize(
+    "completed, probes, succeeded",
+    [
+        (150, 0, True),  # clients' requests: vLLM 0.32 counts a finished pooling request as stop, as a completion
+        (3, 3, False),  # the daemon's own probes alone (an embedding for an embedding engine)
+    ],
+)
+def test_a_start_succeeds_once_the_engine_served_whatever_its_kind(kind, completed, probes, succeeded):
+    """A busy engine that dies 10 s after ready is restarted at once; one that served only the probes is a start failure."""
+    c = cfg(start_failures=2, same_cause_failures=100, backoff_initial=0.0)
+    c = dataclasses.replace(c, engine=dataclasses.replace(c.engine, kind=kind))
     r = Run(c)
     m, p = served(0)
     r.tick(ch=child(1), metrics=m, inference=p)
-    m, p = served(150)
+    m, p = served(completed, probes=probes)
     r.tick(dt=10, ch=child(1), metrics=m, inference=p)
-    assert not r.st.succeeded
+    assert r.st.succeeded is succeeded
+    r.tick(ch=dead(1))
+    assert r.st.start_failures == (0 if succeeded else 1)
+
+
+@pytest.mark.parametrize(
+    "completed_in_the_death_poll, start_failures",
+    [
+        (1, 0),  # the first client's request completed, and the engine died, between two polls
+        (0, 1),  # it died before serving anyone
+    ],
+)
+def test_success_is_judged_before_a_death_seen_in_the_same_poll(completed_in_the_death_poll, start_failures):
+    r = Run(cfg(start_failures=3, same_cause_failures=100, backoff_initial=0.0))
+    m, p = served(0)
+    r.tick(ch=child(1), metrics=m, inference=p)
+    m, p = served(completed_in_the_death_poll)
+    r.tick(ch=dead(1), metrics=m, inference=p)
+    assert r.st.start_failures == start_failures
+
+
+@pytest.mark.parametrize(
+    "probe, canary, succeeded",
+    [
+        (InferenceProbeSample(sent_total=1, unanswered_total=1), CanarySample(), True),  # the probe got no answer: vLLM never counts it
+        (InferenceProbeSample(sent_total=1), CanarySample(), False),  # in flight or answered: the completion may be the probe's
+        (InferenceProbeSample(), CanarySample(sent_total=1, unanswered_total=1), True),
+        (InferenceProbeSample(), CanarySample(sent_total=1), False),
+    ],
+)
+def test_probes_are_counted_by_their_end(probe, canary, succeeded):
+    r = Run(cfg())
+    m, _ = served(0)
+    r.tick(ch=child(1), metrics=m)  # the baseline, before any probe
+    r.tick(ch=child(1), metrics=m, inference=probe, canary=canary)
+    r.tick(ch=child(1), metrics=served(1)[0], inference=probe, canary=canary)  # one completed request
+    assert r.st.succeeded is succeeded
+
+
+@pytest.mark.parametrize("which", ["inference", "canary"])
+def test_a_probe_refused_for_good_does_not_hide_the_next_clients_request(which):
+    """A real probe against a port where nothing listens: it ends unanswered, and a client's request then counts."""
+    from r3090d.core.vocabulary import CanaryPurpose
+    from r3090d.probes.canary import CanaryProber
+    from r3090d.probes.inference import InferenceProber
+    from tests.waiting import wait_until
+
+    c = cfg()
+    if which == "inference":
+        prober = InferenceProber("http://127.0.0.1:9", "m", "", 1.0)
+        prober.send()
+    else:
+        prober = CanaryProber("http://127.0.0.1:9", "m", "", c.canary)
+        prober.send(CanaryPurpose.CHECK)
+    wait_until(lambda: prober.sample().finished_at is not None, 10, what="the probe refused")
+    r = Run(c)
+    m, _ = served(0)
+    r.tick(ch=child(1), metrics=m)
+    r.tick(ch=child(1), metrics=served(1)[0], **{which: prober.sample()})
+    assert r.st.succeeded
 
 
 def test_ready_for_min_uptime_is_a_success_without_traffic():
@@ -172,6 +240,31 @@ def test_the_same_certain_cause_after_success_backs_off_capped_and_never_gives_u
         delays.append(round(r.now - t0 - 0.5, 2))  # the start tick, less the READY tick
     assert r.st.give_up_reason is None
     assert delays[0] == 0.0 and max(delays) <= 4.0 and delays[-1] >= 3.5, delays
+
+
+OOM_KILL = "the kernel's OOM killer killed the engine (signal 9)"
+
+
+@pytest.mark.parametrize(
+    "uptime, levels",
+    [
+        (10.0, [0, 1, 2, 3]),  # dying within min_uptime of ready, again and again: backs off
+        (61.0, [0, 0, 0, 0]),  # healthy for min_uptime in between: each one is restarted at once
+    ],
+)
+def test_a_healthy_min_uptime_clears_the_same_cause_backoff(uptime, levels):
+    r = Run(cfg(min_uptime=60.0, backoff_initial=1.0, backoff_max=300.0))
+    seen = []
+    for gen in range(1, 5):
+        m, p = served(0)
+        r.tick(ch=child(gen), metrics=m, inference=p)
+        m, p = served(5)
+        r.tick(dt=uptime, ch=child(gen), metrics=m, inference=p)
+        assert r.st.succeeded
+        r.tick(ch=dead(gen, cause=OOM_KILL))
+        seen.append(r.st.backoff_level)
+        r.ready_again(gen + 1)
+    assert seen == levels
 
 
 # ------------------------------------------------------------------ §1: XIDs

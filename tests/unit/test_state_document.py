@@ -162,7 +162,7 @@ def test_preflight_keeps_an_earlier_daemons_alert_book_and_nothing_it_measured()
     first = parse(preflight_document("port: 8000 busy", earlier, at=NOW + 10))
     assert first.format == FORMAT_VERSION and first.alert_book == earlier.alert_book
     assert (first.engine.pid, first.engine.tree_pids, first.gpu, first.health, first.metrics) == (None, [], None, None, MetricsSample())
-    assert (first.restarts.total, first.daemon.pid, first.engine.model) == (0, IDENTITY.pid, "m")
+    assert (first.restarts.total, first.daemon.pid, first.engine.model) == (2, IDENTITY.pid, "m")  # the engine's restarts count on
     # A re-check keeps when the wait began; a failure ends the wait and says why.
     again = parse(preflight_document("port: 8000 busy", first, at=NOW + 40))
     assert (again.waiting.since, again.written_at) == (NOW + 10, NOW + 40)
@@ -489,12 +489,29 @@ def test_the_next_daemon_goes_on_from_the_restart_history_in_the_file(tmp_path, 
     assert not caplog.records
 
 
+def test_the_restart_counters_go_on_across_a_daemon_restart(tmp_path):
+    """systemd restarts the daemon: `status` still says how many restarts the engine had, and the next one adds to them."""
+    written = full_report(restarts_total=7, restarts_by_reason=(("exited", 5), ("kv", 2)))
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(written.to_json()))
+    _, history = carried_over(path, NOW - 30.0)
+    st_ = policy.carry_on(policy.initial_state(50.0), history, CFG, 50.0)
+    assert (st_.restarts_total, st_.restarts_by_reason) == (7, (("exited", 5), ("kv", 2)))
+    assert (st_.last_restart_reason, st_.last_restart_at) == ("kv", pytest.approx(940.0 - 970.0))  # 60 s before NOW + 20
+    _, st_ = policy.decide(snap(51.0, ch=ChildSample()), st_, CFG, 51.0)  # the first start
+    _, st_ = policy.decide(snap(52.0, ch=ChildSample(pid=5, alive=True, tree_pids=(5,), generation=1)), st_, CFG, 52.0)
+    assert st_.phase is Phase.READY
+    _, st_ = policy.decide(snap(53.0, ch=ChildSample(pid=5, alive=False, exit_code=1, generation=1)), st_, CFG, 53.0)
+    assert (st_.restarts_total, st_.restarts_by_reason) == (8, (("exited", 6), ("kv", 2)))
+
+
 def test_preflight_hands_the_restart_history_on():
     earlier = parse(json.loads(json.dumps(full_report(restart_times=(700.0, 800.0), start_failures=2, same_cause_run=1).to_json())))
     doc = parse(json.loads(json.dumps(preflight_document("port: 8000 busy", earlier, at=NOW + 10))))
     r = doc.restarts
     assert (r.recent_at, r.recent, r.start_failures, r.same_cause_run, r.last_root_cause) == ([OFFSET + 700.0, OFFSET + 800.0], 2, 2, 1, "CUDA out of memory")
-    assert (r.total, r.by_reason, r.last_reason) == (0, {}, None)  # this daemon has restarted nothing
+    # The engine's restarts, whatever happened to the daemon.
+    assert (r.total, r.by_reason, r.last_reason, r.last_at) == (2, {"kv": 1, "requested": 1}, "kv", OFFSET + 940.0)
 
 
 @pytest.mark.parametrize(
@@ -522,4 +539,7 @@ def test_fields_of_the_wrong_kind_are_left_out_and_no_file_is_no_history(tmp_pat
     _, history = carried_over(path, 10.0)
     assert history == policy.RestartHistory(restart_times=(90.0, 190.0), start_failures=0, same_cause_run=2)
     assert policy.carry_on(policy.initial_state(200.0), history, CFG, 200.0).same_cause_run == 0  # no run longer than the failures
+    path.write_text(json.dumps({"restarts": {"total": -3, "by_reason": {"exited": 2, "hung": "x", "kv": -1, "dead": True}}}))
+    _, history = carried_over(path, 10.0)
+    assert (history.restarts_total, history.restarts_by_reason) == (0, (("exited", 2),))
     assert not caplog.records
