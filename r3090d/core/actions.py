@@ -99,6 +99,7 @@ class SuspendRecord:
     bytes: int  # GPU memory the checkpointed process held: what resuming needs free again
     since: float  # wall-clock time it was suspended
     baseline: CanaryAnswer | None = None  # the canary's answer before the lock: a resume must give it back
+    baseline_for: tuple = ()  # the canary's request_key it answered: a resume with another question drops it
     parked: bool = False  # swap mode's park, not the operator's suspension
 
 
