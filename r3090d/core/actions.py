@@ -54,6 +54,7 @@ class SaveBaseline:
     """Persist this engine's canary baseline in state_dir, with what it depends on."""
 
     answer: CanaryAnswer
+    start_mismatch: bool = False  # it differed from the earlier engine's: kept beside that one, never over it
 
 
 @dataclass(frozen=True)

@@ -248,16 +248,18 @@ def _baseline_taken(cs: CanaryState, answer: CanaryAnswer, snap: Snapshot, cfg: 
         cs = replace(cs, warned_unusable=True)
         events.append(unusable_condition(k, cc))
     earlier = snap.canary.persisted
+    mismatch = False
     if earlier is not None and k >= cc.min_prefix:
         c = compare(earlier, answer, cc)
-        if c.verdict is Verdict.MISMATCH:
+        mismatch = c.verdict is Verdict.MISMATCH
+        if mismatch:
             events.append(Condition(
                 "canary_start_mismatch", True, Severity.WARNING,
                 f"this engine's first canary differs from an earlier engine's with the same model, vLLM, dtype, GPU and flags: "
                 f"{c.text(cc.prompt)}. vLLM does not promise bit-identical kernels across processes, so this is only a warning; "
                 f"corruption present since load would show here", event=True,
             ))  # fmt: skip
-    return Step(cs, (SaveBaseline(answer),), tuple(events))
+    return Step(cs, (SaveBaseline(answer, start_mismatch=mismatch),), tuple(events))
 
 
 def unusable_condition(k: int, cc: CanaryConfig) -> Condition:

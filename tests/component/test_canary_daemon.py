@@ -457,13 +457,17 @@ def test_a_new_engine_that_differs_from_the_persisted_baseline_is_a_warning_only
         assert f"expected {expected!r}; received {received!r}" in line and "at token 0" in line
         assert sent_as(d, "canary_start_mismatch") == ["warning"]
         st = d.state()
-        # No restart: the engine serves, and its own baseline is the one kept from now on.
+        # No restart: the engine serves, compared with its own baseline from now on.
         assert st["engine"]["phase"] == "ready" and st["engine"]["pid"] == api and st["restarts"]["total"] == 0
         assert not alert_lines(d, "wrong_output") and st["canary"]["mismatches"] == 0
         r = d.fake("POST", "/v1/completions", json={"model": "fake-model", "prompt": "hello", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
-        wait_until(lambda: json.loads(saved.read_text())["entries"][0]["answer"]["text"] == received, 10, what="the new baseline saved")
-        assert json.loads(saved.read_text())["entries"][0]["key"] == first["key"]
+        # On disk its answer is kept beside the earlier one, never over it: the earlier one stays the reference.
+        def entries(beside: bool) -> list[dict]:
+            return [e for e in json.loads(saved.read_text())["entries"] if e["key"] == first["key"] and bool(e.get("beside")) == beside]
+
+        [kept] = wait_until(lambda: entries(True), 10, what="the differing first answer saved beside the reference")
+        assert kept["answer"]["text"] == received and [e["answer"]["text"] for e in entries(False)] == [expected]
         d.proc.wait_for(lambda s: s["written_at"] > st["written_at"] + 2.0, BOUND, "two more seconds of READY")
         st = d.state()
         assert st["engine"]["pid"] == api and st["restarts"]["total"] == 0

@@ -287,7 +287,15 @@ def test_a_start_mismatch_against_an_earlier_engines_baseline_is_a_warning_only(
     baseline_taken(r, BASELINE, persisted=WRONG)
     alerts = [a for a in r.of(SendAlert) if a.key == "canary_start_mismatch"]
     assert alerts and alerts[0].severity is Severity.WARNING and "bit-identical" in alerts[0].summary
-    assert r.st.phase is Phase.READY and not r.of(RecordRestart) and r.of(SaveBaseline)
+    assert r.st.phase is Phase.READY and not r.of(RecordRestart)
+    # Kept beside the earlier one, not over it: a load gone wrong must not replace the good reference.
+    assert r.of(SaveBaseline) == [SaveBaseline(BASELINE, start_mismatch=True)]
+
+
+def test_a_first_answer_that_matches_the_earlier_engines_is_saved_as_the_reference():
+    r = Run(ccfg())
+    baseline_taken(r, BASELINE, persisted=BASELINE)
+    assert r.of(SaveBaseline) == [SaveBaseline(BASELINE, start_mismatch=False)] and not r.alerts("canary_start_mismatch")
 
 
 def test_a_baseline_too_short_to_compare_warns_once_and_nothing_is_compared():
