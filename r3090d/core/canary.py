@@ -26,10 +26,10 @@ anything (UNUSABLE): the prompt does not suit this model.
 This module also runs the periodic check while the engine is READY (`step`), as
 the policy's READY handler asks. The baseline is taken when nothing runs; on a
 box that has had no idle moment for `canary.interval` it is taken under load,
-twice, and kept only if the two answers agree (`agree`). After a resume the suspension's stages compare
-(`core.suspension`); the start comparison against a persisted baseline of an
-earlier engine is a warning only, since vLLM does not promise bit-identical
-kernels across processes.
+twice, and kept only if the two answers agree (`agree`). After a resume the
+suspension's stages compare (`core.suspension`); the start comparison against a
+persisted baseline of an earlier engine is a warning only, since vLLM does not
+promise bit-identical kernels across processes.
 """
 
 from __future__ import annotations
