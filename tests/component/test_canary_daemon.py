@@ -137,7 +137,8 @@ def make(tmp: Path, engine_python: str, name: str, *, extra_args=(), canary=None
 @pytest.fixture(scope="module")
 def periodic(tmp_path_factory, fake_engine_python):
     """One daemon for the periodic cases. Its engine starts with /metrics showing requests running
-    (`--fake-metrics-shape load`), so its first canary waits until the test turns /metrics live."""
+    (`--fake-metrics-shape load`), so its first canary waits until the test turns /metrics live (within
+    canary.interval; past it, the baseline would be taken under load)."""
     d = make(tmp_path_factory.mktemp("canary"), fake_engine_python, "periodic", extra_args=("--fake-metrics-shape", "load", "--fake-kv-usage", "0.1"))
     d.start()
     try:
@@ -165,7 +166,7 @@ def test_a_baseline_once_idle_then_a_periodic_check_matches_while_streams_run(pe
     d = periodic
     st = d.wait_ready(timeout=BOUND)
     assert st["canary"]["enabled"] is True and st["canary"]["interval_s"] == INTERVAL
-    # /metrics shows requests running: no baseline, however many ticks go by.
+    # /metrics shows requests running: no baseline for canary.interval (past it, one is taken under load, twice).
     d.proc.wait_for(lambda s: s["written_at"] > st["written_at"] + 2.0, BOUND, "two seconds of READY")
     assert canaries(d) == [] and d.state()["canary"]["baseline_tokens"] is None
     # Idle: the baseline goes, its body pinning every sampling parameter.
