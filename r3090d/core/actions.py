@@ -54,6 +54,7 @@ class SaveBaseline:
     """Persist this engine's canary baseline in state_dir, with what it depends on."""
 
     answer: CanaryAnswer
+    start_mismatch: bool = False  # it differed from the earlier engine's: kept beside that one, never over it
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class SuspendRecord:
     bytes: int  # GPU memory the checkpointed process held: what resuming needs free again
     since: float  # wall-clock time it was suspended
     baseline: CanaryAnswer | None = None  # the canary's answer before the lock: a resume must give it back
+    baseline_for: tuple = ()  # the canary's request_key it answered: a resume with another question drops it
     parked: bool = False  # swap mode's park, not the operator's suspension
 
 

@@ -24,10 +24,12 @@ A baseline confident for fewer than `canary.min_prefix` tokens cannot tell
 anything (UNUSABLE): the prompt does not suit this model.
 
 This module also runs the periodic check while the engine is READY (`step`), as
-the policy's READY handler asks. After a resume the suspension's stages compare
-(`core.suspension`); the start comparison against a persisted baseline of an
-earlier engine is a warning only, since vLLM does not promise bit-identical
-kernels across processes.
+the policy's READY handler asks. The baseline is taken when nothing runs; on a
+box that has had no idle moment for `canary.interval` it is taken under load,
+twice, and kept only if the two answers agree (`agree`). After a resume the
+suspension's stages compare (`core.suspension`); the start comparison against a
+persisted baseline of an earlier engine is a warning only, since vLLM does not
+promise bit-identical kernels across processes.
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ class CanaryState:
     retried: bool = False  # this comparison has been sent a second time after an inconclusive one
     next_at: float | None = None  # the next periodic comparison
     warned_unusable: bool = False
+    wanted_since: float | None = None  # READY without a baseline since then: past canary.interval it is taken under load
+    under_load: bool = False  # the baseline in flight was sent while requests ran: it is taken twice
+    candidate: CanaryAnswer | None = None  # the first of the two, kept once the second agrees with it
     checks: int = 0  # comparisons that ended (any verdict)
     mismatches: int = 0
     inconclusive: int = 0
@@ -131,7 +136,8 @@ class CanaryState:
 
     def fresh(self, baseline: CanaryAnswer | None = None, request: tuple = ()) -> CanaryState:
         """A new engine (or one resumed with `baseline`, the answer to `request`): nothing in flight, the counters kept."""
-        return replace(self, baseline=baseline, baseline_for=request, pending=None, sent_at=None, retried=False, next_at=None)
+        return replace(self, baseline=baseline, baseline_for=request, pending=None, sent_at=None, retried=False, next_at=None,
+                       wanted_since=None, under_load=False, candidate=None)  # fmt: skip
 
     def counted(self, c: Comparison, wall: float) -> CanaryState:
         """A comparison that ended, in the counters."""
@@ -175,14 +181,24 @@ def _send(cs: CanaryState, purpose: CanaryPurpose, now: float, **changes) -> Ste
     return Step(replace(cs, pending=purpose, sent_at=now, **changes), (SendCanary(purpose),))
 
 
+def agree(first: CanaryAnswer, second: CanaryAnswer, cfg: CanaryConfig) -> bool:
+    """Whether two answers taken under load are one baseline: the same tokens, or each matching the other."""
+    if first.token_ids == second.token_ids:
+        return True
+    return compare(first, second, cfg).verdict is Verdict.MATCH and compare(second, first, cfg).verdict is Verdict.MATCH
+
+
 def step(cs: CanaryState, snap: Snapshot, cfg: Config, now: float, *, maintenance: bool) -> Step:
-    """The canary while the engine is READY: take the baseline when nothing runs, then compare every interval."""
+    """The canary while the engine is READY: take the baseline when nothing runs (under load, twice, once
+    canary.interval has passed without an idle moment), then compare every interval."""
     cc = cfg.canary
     if not cc.enabled:
         return Step(cs)
     if cs.baseline is not None and cs.baseline_for != request_key(cc):
         # A reload changed the question: the old answer says nothing about the new one.
         cs = cs.fresh()
+    if cs.baseline is None and cs.wanted_since is None:
+        cs = replace(cs, wanted_since=now)
     if cs.pending is not None:
         done = result(snap.canary, cs.sent_at, cc, now)
         if done is None:
@@ -190,19 +206,37 @@ def step(cs: CanaryState, snap: Snapshot, cfg: Config, now: float, *, maintenanc
         cs = replace(cs, pending=None)
         if done.answer is None:
             wait = BASELINE_RETRY_S if cs.baseline is None else cc.interval
-            return Step(replace(cs, errors=cs.errors + 1, retried=False, next_at=now + wait))
+            return Step(replace(cs, errors=cs.errors + 1, retried=False, under_load=False, candidate=None, next_at=now + wait))
+        if cs.baseline is None and cs.under_load:
+            return _baseline_under_load(cs, done.answer, snap, cfg, now)
         if cs.baseline is None:
             return _baseline_taken(cs, done.answer, snap, cfg, now)
         return _compared(cs, done.answer, snap, cfg, now, maintenance=maintenance)
     if cs.baseline is None:
         if cs.next_at is not None and now < cs.next_at:
             return Step(cs)
-        return _send(cs, CanaryPurpose.BASELINE, now) if snap.metrics.in_engine == 0 else Step(cs)
+        if snap.metrics.in_engine == 0:
+            return _send(cs, CanaryPurpose.BASELINE, now)
+        if now - cs.wanted_since >= cc.interval:
+            # A box that is never idle would otherwise never be checked: the comparison is margin-aware, and
+            # the answer is taken twice and kept only if it agrees with itself.
+            return _send(cs, CanaryPurpose.BASELINE, now, under_load=True)
+        return Step(cs)
     if cs.next_at is None:
         return Step(replace(cs, next_at=now + cc.interval))
     if now >= cs.next_at and confident_prefix(cs.baseline, cc.margin_threshold) >= cc.min_prefix:
         return _send(cs, CanaryPurpose.CHECK, now, retried=False)
     return Step(cs)
+
+
+def _baseline_under_load(cs: CanaryState, answer: CanaryAnswer, snap: Snapshot, cfg: Config, now: float) -> Step:
+    if cs.candidate is None:
+        return _send(cs, CanaryPurpose.BASELINE, now, candidate=answer)
+    first, cs = cs.candidate, replace(cs, under_load=False, candidate=None)
+    if agree(first, answer, cfg.canary):
+        return _baseline_taken(cs, first, snap, cfg, now)
+    # Two answers that disagree say nothing about which is right: neither is kept, the pair is taken again later.
+    return Step(replace(cs, next_at=now + cfg.canary.interval))
 
 
 def _baseline_taken(cs: CanaryState, answer: CanaryAnswer, snap: Snapshot, cfg: Config, now: float) -> Step:
@@ -214,16 +248,18 @@ def _baseline_taken(cs: CanaryState, answer: CanaryAnswer, snap: Snapshot, cfg: 
         cs = replace(cs, warned_unusable=True)
         events.append(unusable_condition(k, cc))
     earlier = snap.canary.persisted
+    mismatch = False
     if earlier is not None and k >= cc.min_prefix:
         c = compare(earlier, answer, cc)
-        if c.verdict is Verdict.MISMATCH:
+        mismatch = c.verdict is Verdict.MISMATCH
+        if mismatch:
             events.append(Condition(
                 "canary_start_mismatch", True, Severity.WARNING,
                 f"this engine's first canary differs from an earlier engine's with the same model, vLLM, dtype, GPU and flags: "
                 f"{c.text(cc.prompt)}. vLLM does not promise bit-identical kernels across processes, so this is only a warning; "
                 f"corruption present since load would show here", event=True,
             ))  # fmt: skip
-    return Step(cs, (SaveBaseline(answer),), tuple(events))
+    return Step(cs, (SaveBaseline(answer, start_mismatch=mismatch),), tuple(events))
 
 
 def unusable_condition(k: int, cc: CanaryConfig) -> Condition:

@@ -464,7 +464,7 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
         return _to(st, Phase.DRAINING, now, restart_reason=snap.stop_cold_requested, cold_after=True, tree_gone_at=None, ready_since=None,
                    old_tree=tuple(sorted(set(snap.child.tree_pids) | ({snap.child.pid} if snap.child.pid else set()))))  # fmt: skip
     if snap.suspend_requested is not None:
-        move = suspension.begin(snap, cfg, now, snap.suspend_requested, st.canary.baseline, parked=snap.park)
+        move = suspension.begin(snap, cfg, now, snap.suspend_requested, st.canary.baseline, baseline_for=st.canary.baseline_for, parked=snap.park)
         return _apply(snap, st, cfg, now, actions, events, move)
     check = canary.step(st.canary, snap, cfg, now, maintenance=st.maintenance)
     st = replace(st, canary=check.state)
@@ -715,10 +715,15 @@ def _apply(snap, st, cfg, now, actions, events, move: suspension.Move) -> Policy
         return replace(st, suspension=move.suspension)
     if move.phase is Phase.READY:
         # Nothing that stood still during the suspension may read as a stall: the watch starts afresh.
-        # The baseline the suspension carried (taken before the lock) is the engine's from now on.
-        held = st.suspension.baseline if st.suspension is not None else st.canary.baseline
+        # The baseline the suspension carried (taken before the lock) is the engine's from now on, if it answered
+        # the current question; else none, and the READY path takes a new one.
+        key = canary.request_key(cfg.canary)
+        if st.suspension is not None:
+            held = suspension.held_baseline(st.suspension, cfg)
+        else:
+            held = st.canary.baseline if st.canary.baseline_for == key else None
         return _to(st, Phase.READY, now, suspension=None, ready_since=now, watch=_fresh_watch(st, ready_at=now),
-                   canary=st.canary.fresh(held, canary.request_key(cfg.canary)))  # fmt: skip
+                   canary=st.canary.fresh(held, key))  # fmt: skip
     return _to(st, move.phase, now, suspension=move.suspension)
 
 

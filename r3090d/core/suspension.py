@@ -126,6 +126,7 @@ class Suspension:
     frozen_requests: int = 0  # requests left running at the drain deadline, frozen with the engine
     error: str = ""  # the last refusal or failure, one line
     baseline: CanaryAnswer | None = None  # the canary's known answer: a resume must give it back
+    baseline_for: tuple = ()  # the canary's request_key the baseline answered: another question at resume drops it
     canary_retried: bool = False  # CANARY: the comparison was sent again after an inconclusive (or no) answer
     parked: bool = False  # swap mode: the arbiter parked it to bring another model in, not the operator's suspension
 
@@ -141,7 +142,7 @@ class Suspension:
 
     def record(self, engine_pid: int | None) -> SuspendRecord:
         return SuspendRecord(pid=self.target or 0, engine_pid=engine_pid, bytes=self.bytes, since=self.since_wall or 0.0, baseline=self.baseline,
-                             parked=self.parked)  # fmt: skip
+                             baseline_for=self.baseline_for, parked=self.parked)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -294,20 +295,22 @@ def resume_room(s: Suspension, snap: Snapshot, cfg: Config) -> tuple[bool, str]:
 # ------------------------------------------------------------------ stages
 
 
-def begin(snap: Snapshot, cfg: Config, now: float, request: int, baseline: CanaryAnswer | None = None, *, parked: bool = False) -> Move:
+def begin(snap: Snapshot, cfg: Config, now: float, request: int, baseline: CanaryAnswer | None = None, *, baseline_for: tuple = (),
+          parked: bool = False) -> Move:  # fmt: skip
     """READY and `r3090ctl suspend` accepted: start draining, or refuse if things changed since the reply."""
     refusal = suspend_refusal(cfg, Phase.READY, snap)
     if refusal is not None:
         result = Result.UNAVAILABLE if refusal.unavailable else Result.REFUSED
         return Move(None, Phase.READY, result=SuspendResult(request, "suspend", result, refusal.text, now))
     pid, held, _ = target(snap)
-    return Move(Suspension(Stage.DRAINING, now, request, target=pid, bytes=held, baseline=baseline, parked=parked), Phase.SUSPENDING)
+    return Move(Suspension(Stage.DRAINING, now, request, target=pid, bytes=held, baseline=baseline, baseline_for=baseline_for, parked=parked),
+                Phase.SUSPENDING)  # fmt: skip
 
 
 def from_record(record: SuspendRecord, now: float, since: float) -> Suspension:
     """A daemon started with a suspension on record: no engine of its own, so a cold one."""
     return Suspension(Stage.SUSPENDED, now, 0, target=record.pid, bytes=record.bytes, since=since, since_wall=record.since, cold=True,
-                      baseline=record.baseline, parked=record.parked)  # fmt: skip
+                      baseline=record.baseline, baseline_for=record.baseline_for, parked=record.parked)  # fmt: skip
 
 
 def _stay(s: Suspension, actions: tuple[Action, ...] = ()) -> Move:
@@ -409,7 +412,7 @@ def _baselining(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: f
         return _stay(s)
     if done.answer is None:  # no answer: the last baseline stands
         return _lock(s, snap, cfg, now, snap.metrics.in_engine or 0)
-    return _lock(replace(s, baseline=done.answer), snap, cfg, now, snap.metrics.in_engine or 0, (SaveBaseline(done.answer),))
+    return _lock(replace(s, baseline=done.answer, baseline_for=canary.request_key(cfg.canary)), snap, cfg, now, snap.metrics.in_engine or 0, (SaveBaseline(done.answer),))
 
 
 def _lock(s: Suspension, snap: Snapshot, cfg: Config, now: float, frozen: int, actions: tuple[Action, ...] = ()) -> Move:
@@ -553,7 +556,7 @@ def _verifying(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: fl
     if not done:
         return _stay(s)
     if inf.ok:
-        if s.resuming and _comparable(s.baseline, cfg):
+        if s.resuming and _comparable(s, cfg):
             return _stay(_to(s, Stage.CANARY, now, op_sent_at=now, canary_retried=False), (SendCanary(CanaryPurpose.CHECK),))
         return _ready(s, now)
     if inf.consecutive_failures >= cfg.watchdog.probe_failures:
@@ -568,8 +571,13 @@ def _ready(s: Suspension, now: float, compared: canary.Comparison | None = None,
     return Move(None, Phase.READY, (SaveSuspension(None),), result=result, compared=compared)
 
 
-def _comparable(baseline: CanaryAnswer | None, cfg: Config) -> bool:
-    cc = cfg.canary
+def held_baseline(s: Suspension, cfg: Config) -> CanaryAnswer | None:
+    """The baseline the suspension carried, if it answered the canary's current question (a reload may have changed it)."""
+    return s.baseline if s.baseline_for == canary.request_key(cfg.canary) else None
+
+
+def _comparable(s: Suspension, cfg: Config) -> bool:
+    cc, baseline = cfg.canary, held_baseline(s, cfg)
     return cc.enabled and baseline is not None and canary.confident_prefix(baseline, cc.margin_threshold) >= cc.min_prefix
 
 

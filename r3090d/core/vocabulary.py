@@ -64,7 +64,7 @@ class RestartReason(enum.StrEnum):
 class CanaryPurpose(enum.StrEnum):
     """What a canary is sent for."""
 
-    BASELINE = "baseline"  # the engine's known answer, taken when nothing else runs
+    BASELINE = "baseline"  # the engine's known answer, taken when nothing else runs (or twice under load, see core.canary)
     CHECK = "check"  # a comparison with the baseline
 
 

@@ -2,9 +2,16 @@
 
 A new engine's first canary is compared with an earlier engine's baseline only
 when nothing it depends on has changed: the model's files (names, sizes,
-mtimes), the vLLM version, the GPU's name, the vLLM flags that change numerics,
-and the canary's own prompt, length and seed. The newest few are kept, so a
-switch back to an earlier model finds its own.
+mtimes; for a hub name, the commit its cache resolves the revision to), the
+vLLM and torch versions, the GPU's name and driver, the vLLM flags that change
+numerics, the engine's environment (engine.env and the VLLM_ variables it
+inherits, as a digest: values may be secrets), and the canary's own prompt,
+length and seed. The newest few are kept, so a switch back to an earlier model
+finds its own.
+
+A first answer that differed from the stored one is kept beside it, never over
+it: the stored one stays the reference, so a load gone wrong does not replace
+a good answer. Removing the file starts afresh.
 """
 
 from __future__ import annotations
@@ -14,7 +21,10 @@ import json
 import logging
 import math
 import os
+import re
+import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from r3090d.atomicfile import write_json_atomic
@@ -57,10 +67,56 @@ def answer_from_json(raw) -> CanaryAnswer:
     return CanaryAnswer(ids, margins, runners, text)
 
 
-def _model_files(model: str) -> list[list]:
+# Run with engine.python: torch's version as its metadata has it, nothing imported.
+_TORCH_PROBE = r"""
+import importlib.metadata as md
+try:
+    print(md.version("torch"))
+except md.PackageNotFoundError:
+    pass
+"""
+
+
+def torch_version(python: str, timeout: float = 10.0) -> str | None:
+    """The torch version installed for `python`; None when there is none or it cannot be asked."""
+    try:
+        out = subprocess.run([python, "-I", "-c", _TORCH_PROBE], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = out.stdout.strip().splitlines()
+    return lines[-1].strip() if out.returncode == 0 and lines else None
+
+
+def _hub_cache(env: Mapping[str, str]) -> Path:
+    """Where huggingface_hub keeps its downloads for the engine's environment."""
+    if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE"):
+        return Path(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"])
+    cache = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or Path.home()) / ".cache")
+    return Path(env.get("HF_HOME") or Path(cache) / "huggingface") / "hub"
+
+
+def _hub_commit(model: str, revision: str | None, env: Mapping[str, str]) -> str | None:
+    """The commit the hub cache resolves `revision` (main by default) of `model` to: a new download moves it."""
+    rev = revision or "main"
+    if re.fullmatch(r"[0-9a-f]{40}", rev):
+        return rev
+    try:
+        return (_hub_cache(env) / f"models--{model.replace('/', '--')}" / "refs" / rev).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _engine_env(cfg: Config, env: Mapping[str, str]) -> dict:
+    """engine.env and the VLLM_ variables the engine inherits: the names, and one digest of the values."""
+    names = sorted((set(cfg.engine.env) | {k for k in env if k.startswith("VLLM_")}) - {"VLLM_API_KEY"})
+    values = json.dumps([[k, env.get(k, cfg.engine.env.get(k))] for k in names])
+    return {"names": names, "sha256": hashlib.sha256(values.encode()).hexdigest()}
+
+
+def _model_files(model: str, revision: str | None, env: Mapping[str, str]) -> list[list]:
     path = Path(model)
     if not path.is_dir():
-        return [[model]]  # a hub name: the cache's content is named by it
+        return [[model, _hub_commit(model, revision, env)]]  # a hub name: the cache's content is named by its commit
     out = []
     try:
         entries = sorted(os.scandir(path), key=lambda e: e.name)
@@ -76,15 +132,20 @@ def _model_files(model: str) -> list[list]:
     return out
 
 
-def dependencies(cfg: Config, argv: list[str], vllm_version: object, gpu_name: str | None) -> dict:
-    """What a baseline depends on, as plain data (its hash is the store's key)."""
+def dependencies(cfg: Config, argv: list[str], vllm_version: object, gpu_name: str | None, *, driver: str | None = None,
+                 torch: str | None = None, env: Mapping[str, str] | None = None) -> dict:  # fmt: skip
+    """What a baseline depends on, as plain data (its hash is the store's key). `env`: the engine's environment."""
     cc = cfg.canary
     args = list(argv)
+    env = dict(cfg.engine.env) if env is None else env
     return {
         "model": cfg.engine.model,
-        "model_files": _model_files(cfg.engine.model),
+        "model_files": _model_files(cfg.engine.model, flag_value(args, "--revision"), env),
         "vllm": str(vllm_version) if vllm_version is not None else None,
+        "torch": torch,
         "gpu": gpu_name,
+        "driver": driver,
+        "env": _engine_env(cfg, env),
         "flags": {flags[0]: flag_value(args, *flags) if flags[0] != "--enforce-eager" else ("--enforce-eager" in args) for flags in NUMERICS_FLAGS},
         "canary": {"prompt": cc.prompt, "max_tokens": cc.max_tokens, "seed": cc.seed},
     }
@@ -112,17 +173,19 @@ class BaselineStore:
     def load(self, deps: dict) -> CanaryAnswer | None:
         key = key_of(deps)
         for entry in self._entries():
-            if entry.get("key") == key:
+            if entry.get("key") == key and not entry.get("beside"):
                 try:
                     return answer_from_json(entry.get("answer"))
                 except ValueError:
                     return None
         return None
 
-    def save(self, deps: dict, answer: CanaryAnswer) -> None:
+    def save(self, deps: dict, answer: CanaryAnswer, *, beside: bool = False) -> None:
+        """Keep `answer` as the reference for `deps`; `beside`: the engine's first answer differed from the
+        reference, so it is kept next to it (one per key) and the reference stays."""
         key = key_of(deps)
-        kept = [e for e in self._entries() if e.get("key") != key][: KEEP - 1]
-        entry = {"key": key, "saved_at": time.time(), "deps": deps, "answer": answer_to_json(answer)}
+        kept = [e for e in self._entries() if not (e.get("key") == key and bool(e.get("beside")) == beside)][: KEEP - 1]
+        entry = {"key": key, "saved_at": time.time(), "deps": deps, "answer": answer_to_json(answer), **({"beside": True} if beside else {})}
         try:
             write_json_atomic(self.path, {"format": FORMAT, "entries": [entry, *kept]})
         except OSError as exc:

@@ -429,7 +429,7 @@ def canary_lines(c: CanaryInfo, now: float) -> list[str]:
     if not c.enabled:
         return ["Canary     off (canary.enabled = false)"]
     if c.baseline_tokens is None:
-        return ["Canary     no baseline yet (taken once nothing else runs)"]
+        return ["Canary     no baseline yet (taken once nothing else runs, or under load after canary.interval)"]
     matched = f"last match {clock(c.last_match_at)} ({ago(now - c.last_match_at)} ago)" if c.last_match_at else "no match yet"
     counts = f"{c.checks} checks, {c.mismatches} mismatches, {c.inconclusive} inconclusive, {c.errors} without answer"
     last = f"last check {c.last_verdict}; " if c.last_verdict else ""

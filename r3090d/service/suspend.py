@@ -67,6 +67,11 @@ def _baseline(raw) -> CanaryAnswer | None:
         return None
 
 
+def _baseline_for(raw) -> tuple:
+    """The canary question the kept baseline answered; an older record without it has none (the resume takes a new baseline)."""
+    return tuple(raw) if isinstance(raw, list) else ()
+
+
 def _start_ticks(pid: int) -> int | None:
     """The process's start time in clock ticks since boot: with the pid, its identity."""
     st = procstat.read(pid)
@@ -140,7 +145,8 @@ class SuspendService:
         engine_pid = record.engine_pid
         data = {"format": RECORD_FORMAT, "pid": record.pid, "engine_pid": engine_pid, "bytes": record.bytes, "since": record.since,
                 "engine_started": _start_ticks(engine_pid) if engine_pid else None,
-                "baseline": answer_to_json(record.baseline) if record.baseline is not None else None, "parked": record.parked}  # fmt: skip
+                "baseline": answer_to_json(record.baseline) if record.baseline is not None else None, "baseline_for": list(record.baseline_for),
+                "parked": record.parked}  # fmt: skip
         try:
             write_json_atomic(self.path, data)
         except OSError as exc:
@@ -153,7 +159,8 @@ class SuspendService:
         raw = read_json(self.path)
         try:
             record = SuspendRecord(pid=int(raw["pid"]), engine_pid=raw.get("engine_pid"), bytes=int(raw["bytes"]), since=float(raw["since"]),
-                                   baseline=_baseline(raw.get("baseline")), parked=raw.get("parked") is True)  # fmt: skip
+                                   baseline=_baseline(raw.get("baseline")), baseline_for=_baseline_for(raw.get("baseline_for")),
+                                   parked=raw.get("parked") is True)  # fmt: skip
             if record.bytes < 0 or record.pid < 0 or not (record.engine_pid is None or isinstance(record.engine_pid, int)):
                 raise ValueError("out of range")
         except (TypeError, KeyError, ValueError):

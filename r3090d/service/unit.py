@@ -54,6 +54,8 @@ class EngineUnit:
         self.pending = commands.Pending()  # control-plane (and, in swap mode, arbiter) requests for the next decide()
         self.baselines = baselines.BaselineStore(self.state_dir)
         self.baseline_deps: dict | None = None  # what the current engine's canary baseline depends on
+        self.baseline_beside = False  # the current engine's first answer differed from the stored one: its own are kept beside
+        self._torch: tuple[str, str | None] | None = None  # (engine.python, its torch version), asked once
         self.last_snap: Snapshot | None = None  # what suspend's immediate answer is judged on
         self.last_restart_record: Path | None = None
         self.st = policy.initial_state(time.monotonic(), cold=cold)
@@ -69,8 +71,12 @@ class EngineUnit:
         self.last_snap = snap
         return snap
 
-    def _deps(self, gpu_name: str | None) -> dict:
-        return baselines.dependencies(self.cfg, self.argv, self.engine_version, gpu_name)
+    def _deps(self, gpu_name: str | None, snap: Snapshot) -> dict:
+        python = self.cfg.engine.python
+        if self._torch is None or self._torch[0] != python:
+            self._torch = (python, baselines.torch_version(python))
+        return baselines.dependencies(self.cfg, self.argv, self.engine_version, gpu_name, driver=snap.gpu.driver_version, torch=self._torch[1],
+                                      env=argvmod.engine_env(self.cfg, dict(os.environ)))  # fmt: skip
 
     def execute(self, actions, snap: Snapshot, *, alerts, gpu_name: str | None) -> int | None:
         """Carry out decide()'s actions for this engine; the exit code an Exit action asks for, else None."""
@@ -79,7 +85,8 @@ class EngineUnit:
             if isinstance(action, StartEngine):
                 log.info("%sstarting engine (%s)", self.label, action.reason)
                 self.sampler.prober.reset()
-                self.baseline_deps = self._deps(gpu_name)
+                self.baseline_deps = self._deps(gpu_name, snap) if self.cfg.canary.enabled else None
+                self.baseline_beside = False
                 self.sampler.canary.reset(self.baselines.load(self.baseline_deps) if self.cfg.canary.enabled else None)
                 env = argvmod.engine_env(self.cfg, dict(os.environ))
                 self.engine.spawn(self.argv, env)
@@ -101,8 +108,13 @@ class EngineUnit:
                 self.sampler.canary.send(action.purpose)
             elif isinstance(action, SaveBaseline):
                 if self.baseline_deps is None:  # an engine this daemon did not start (resumed from an earlier one)
-                    self.baseline_deps = self._deps(gpu_name)
-                self.baselines.save(self.baseline_deps, action.answer)
+                    self.baseline_deps = self._deps(gpu_name, snap)
+                # Once its first answer differed from the stored one, none of this engine's replaces that one.
+                self.baseline_beside = self.baseline_beside or action.start_mismatch
+                self.baselines.save(self.baseline_deps, action.answer, beside=self.baseline_beside)
+                if action.start_mismatch:
+                    log.warning("%sthe canary's first answer differs from the one stored for this model and setup: kept beside it in %s; "
+                                "the stored one stays the reference (remove the file to start afresh)", self.label, self.baselines.path)  # fmt: skip
             elif isinstance(action, Exit):
                 exit_code = action.code
                 if action.code == exitcodes.GAVE_UP:

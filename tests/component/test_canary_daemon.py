@@ -137,7 +137,8 @@ def make(tmp: Path, engine_python: str, name: str, *, extra_args=(), canary=None
 @pytest.fixture(scope="module")
 def periodic(tmp_path_factory, fake_engine_python):
     """One daemon for the periodic cases. Its engine starts with /metrics showing requests running
-    (`--fake-metrics-shape load`), so its first canary waits until the test turns /metrics live."""
+    (`--fake-metrics-shape load`), so its first canary waits until the test turns /metrics live (within
+    canary.interval; past it, the baseline would be taken under load)."""
     d = make(tmp_path_factory.mktemp("canary"), fake_engine_python, "periodic", extra_args=("--fake-metrics-shape", "load", "--fake-kv-usage", "0.1"))
     d.start()
     try:
@@ -165,7 +166,7 @@ def test_a_baseline_once_idle_then_a_periodic_check_matches_while_streams_run(pe
     d = periodic
     st = d.wait_ready(timeout=BOUND)
     assert st["canary"]["enabled"] is True and st["canary"]["interval_s"] == INTERVAL
-    # /metrics shows requests running: no baseline, however many ticks go by.
+    # /metrics shows requests running: no baseline for canary.interval (past it, one is taken under load, twice).
     d.proc.wait_for(lambda s: s["written_at"] > st["written_at"] + 2.0, BOUND, "two seconds of READY")
     assert canaries(d) == [] and d.state()["canary"]["baseline_tokens"] is None
     # Idle: the baseline goes, its body pinning every sampling parameter.
@@ -457,13 +458,17 @@ def test_a_new_engine_that_differs_from_the_persisted_baseline_is_a_warning_only
         assert f"expected {expected!r}; received {received!r}" in line and "at token 0" in line
         assert sent_as(d, "canary_start_mismatch") == ["warning"]
         st = d.state()
-        # No restart: the engine serves, and its own baseline is the one kept from now on.
+        # No restart: the engine serves, compared with its own baseline from now on.
         assert st["engine"]["phase"] == "ready" and st["engine"]["pid"] == api and st["restarts"]["total"] == 0
         assert not alert_lines(d, "wrong_output") and st["canary"]["mismatches"] == 0
         r = d.fake("POST", "/v1/completions", json={"model": "fake-model", "prompt": "hello", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
-        wait_until(lambda: json.loads(saved.read_text())["entries"][0]["answer"]["text"] == received, 10, what="the new baseline saved")
-        assert json.loads(saved.read_text())["entries"][0]["key"] == first["key"]
+        # On disk its answer is kept beside the earlier one, never over it: the earlier one stays the reference.
+        def entries(beside: bool) -> list[dict]:
+            return [e for e in json.loads(saved.read_text())["entries"] if e["key"] == first["key"] and bool(e.get("beside")) == beside]
+
+        [kept] = wait_until(lambda: entries(True), 10, what="the differing first answer saved beside the reference")
+        assert kept["answer"]["text"] == received and [e["answer"]["text"] for e in entries(False)] == [expected]
         d.proc.wait_for(lambda s: s["written_at"] > st["written_at"] + 2.0, BOUND, "two more seconds of READY")
         st = d.state()
         assert st["engine"]["pid"] == api and st["restarts"]["total"] == 0

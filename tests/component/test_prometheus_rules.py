@@ -408,16 +408,35 @@ CASES = [
             (sel("r3090d_engine_ready_timestamp_seconds", FIRING), "0+0x60"),
             (sel("r3090d_canary_interval_seconds", FIRING), "600+0x60"),
             (sel("r3090d_canary_last_ok_timestamp_seconds", FIRING), "0+0x9 600+0x50"),
+            (sel("r3090d_canary_baseline_tokens", FIRING), "16+0x60"),
         ),
         # A busy box: every comparison inconclusive, each one seen as nothing wrong, every 10 min.
         quiet=(
             (sel("r3090d_engine_ready_timestamp_seconds", QUIET), "0+0x60"),
             (sel("r3090d_canary_interval_seconds", QUIET), "600+0x60"),
             (sel("r3090d_canary_last_ok_timestamp_seconds", QUIET), "0+0x9 600+0x9 1200+0x9 1800+0x9 2400+0x9 3000+0x9 3600+0x9"),
+            (sel("r3090d_canary_baseline_tokens", QUIET), "16+0x60"),
         ),
         start=41,
         labels=FIRING_JOB,
         annotations={"summary": "the canary on gpu0 has not matched for 31m 0s"},
+    ),
+    AlertCase(
+        "R3090dCanaryNoBaseline",
+        # Ready since minute 0, canary.interval 10 min, never a baseline: 31 min at minute 31.
+        series=(
+            (sel("r3090d_engine_ready_timestamp_seconds", FIRING), "0+0x60"),
+            (sel("r3090d_canary_interval_seconds", FIRING), "600+0x60"),
+        ),
+        # The baseline taken at minute 25 (under load, an interval after the last one that disagreed).
+        quiet=(
+            (sel("r3090d_engine_ready_timestamp_seconds", QUIET), "0+0x60"),
+            (sel("r3090d_canary_interval_seconds", QUIET), "600+0x60"),
+            (sel("r3090d_canary_baseline_tokens", QUIET), "_x25 16+0x35"),
+        ),
+        start=31,
+        labels=FIRING_JOB,
+        annotations={"summary": "the canary on gpu0 has no baseline after 31m 0s ready: nothing is compared"},
     ),
     AlertCase(
         "R3090dRouterDown",
@@ -560,6 +579,19 @@ def promtool_group(case: AlertCase) -> dict:
         "input_series": [{"series": s, "values": v} for s, v in case.series + case.quiet],
         "alert_rule_test": checks,
     }
+
+
+@needs_promtool
+def test_a_canary_without_a_baseline_is_its_own_alert_never_one_of_wrong_output(tmp_path):
+    """A box that never gave the canary a baseline has nothing compared: that is said, and not as a mismatch."""
+    series = [
+        (sel("r3090d_engine_ready_timestamp_seconds", FIRING), "0+0x60"),
+        (sel("r3090d_canary_interval_seconds", FIRING), "600+0x60"),
+        (sel("r3090d_canary_errors_total", FIRING), "0+1x60"),
+    ]
+    expected = {"R3090dCanaryNoBaseline": [{"exp_labels": {**FIRING_JOB, "severity": "warning"}}]}
+    out = _promtool_test(tmp_path, series, expected, "41m")
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_every_alert_has_a_case():

@@ -11,7 +11,7 @@ import pytest
 
 from r3090d.config.schema import CanaryConfig
 from r3090d.core.actions import RecordRestart, SaveBaseline, SendAlert, SendCanary, StopEngine, SuspendEngine
-from r3090d.core.canary import Verdict, compare, confident_prefix
+from r3090d.core.canary import Verdict, agree, compare, confident_prefix, request_key
 from r3090d.core.snapshot import CanaryAnswer, CanarySample, ChildSample, InferenceProbeSample, MetricsSample
 from r3090d.core.suspend_types import Op, Outcome
 from r3090d.core.suspension import Result, Stage
@@ -59,6 +59,25 @@ def test_compare(ids, margins, runner_up, verdict, position):
         assert c.margin == 1.5  # the smallest margin compared
     else:
         assert c.margin == BASE.margins[position]
+
+
+@pytest.mark.parametrize(
+    ("second", "same"),
+    [
+        (BASE, True),
+        (replace(BASE, margins=(3.0,) * 6), True),  # other margins, the same tokens
+        # Past both answers' first near tie (position 4) the path may differ: one baseline still.
+        (answer((10, 11, 12, 13, 99, 98), (3.0, 2.0, 1.5, 2.5, 0.1, 3.0)), True),
+        # Another token where the second answer is near a tie: which one is right is not known.
+        (answer((10, 11, 77, 13, 14, 15), (3.0, 2.0, 0.1, 2.5, 0.2, 3.0), (20, 21, 12, 23, 24, 25)), False),
+        (answer((10, 11, 77, 13, 14, 15)), False),
+        # The second is confident where the first was near a tie, and differs there: they disagree.
+        (answer((10, 11, 12, 13, 99, 15)), False),
+    ],
+    ids=["same", "same-tokens", "past-the-ties", "near-tie", "different", "different-where-second-is-sure"],
+)
+def test_two_answers_taken_under_load_agree(second, same):
+    assert agree(BASE, second, CC) is same and agree(second, BASE, CC) is same
 
 
 def test_a_baseline_confident_for_too_few_tokens_is_unusable():
@@ -268,7 +287,15 @@ def test_a_start_mismatch_against_an_earlier_engines_baseline_is_a_warning_only(
     baseline_taken(r, BASELINE, persisted=WRONG)
     alerts = [a for a in r.of(SendAlert) if a.key == "canary_start_mismatch"]
     assert alerts and alerts[0].severity is Severity.WARNING and "bit-identical" in alerts[0].summary
-    assert r.st.phase is Phase.READY and not r.of(RecordRestart) and r.of(SaveBaseline)
+    assert r.st.phase is Phase.READY and not r.of(RecordRestart)
+    # Kept beside the earlier one, not over it: a load gone wrong must not replace the good reference.
+    assert r.of(SaveBaseline) == [SaveBaseline(BASELINE, start_mismatch=True)]
+
+
+def test_a_first_answer_that_matches_the_earlier_engines_is_saved_as_the_reference():
+    r = Run(ccfg())
+    baseline_taken(r, BASELINE, persisted=BASELINE)
+    assert r.of(SaveBaseline) == [SaveBaseline(BASELINE, start_mismatch=False)] and not r.alerts("canary_start_mismatch")
 
 
 def test_a_baseline_too_short_to_compare_warns_once_and_nothing_is_compared():
@@ -381,3 +408,78 @@ def test_a_reload_that_changes_the_question_drops_the_baseline_instead_of_findin
     assert sent(r) == [CanaryPurpose.BASELINE]  # nothing runs: the new question's baseline at once
     r.tick(canary=answered(r.now, WRONG))
     assert r.st.canary.baseline == WRONG and r.st.phase is Phase.READY and r.st.canary.mismatches == 0
+
+
+def test_a_canary_change_while_suspended_drops_the_held_baseline_and_takes_a_new_one_after_the_resume():
+    r = Run(ccfg())
+    baseline_taken(r)
+    suspend_with_baseline(r)
+    assert r.st.suspension.baseline_for == request_key(r.c.canary)
+    r.c = ccfg(prompt="Another question entirely")  # a reload while suspended
+    assert r.resume() is not None
+    r.tick()  # /health 200: the probe goes out
+    probe = r.now
+    r.tick(inference=InferenceProbeSample(sent_at=probe + 0.01, finished_at=probe + 0.1, ok=True))
+    # The old answer says nothing about the new question: no comparison with it, ready at once.
+    assert r.st.phase is Phase.READY and CanaryPurpose.CHECK not in sent(r) and r.st.suspend_last.result is Result.RESUMED
+    assert r.st.canary.baseline is None
+    r.tick()
+    assert sent(r) == [CanaryPurpose.BASELINE]  # nothing runs: the new question's baseline at once
+    r.tick(canary=answered(r.now, WRONG))
+    assert r.st.canary.baseline == WRONG and r.st.canary.baseline_for == request_key(r.c.canary)
+    assert r.st.phase is Phase.READY and r.st.canary.mismatches == 0 and not r.alerts("wrong_output")
+
+
+# ------------------------------------------------------------------ a box that is never idle
+
+
+def busy_tick(r, **kw):
+    return r.tick(gpu=card(r.now + 0.5, util=90), metrics=BUSY(), **kw)
+
+
+def test_a_box_never_idle_takes_its_baseline_under_load_after_an_interval_twice_and_then_checks():
+    r = Run(ccfg())
+    ready = r.now
+    while not r.of(SendCanary):
+        busy_tick(r)
+        assert r.now < ready + 61.5
+    assert sent(r) == [CanaryPurpose.BASELINE] and r.now >= ready + 60
+    busy_tick(r, canary=answered(r.now, BASELINE))
+    # Under load the first answer is kept only once a second one agrees with it.
+    assert sent(r) == [CanaryPurpose.BASELINE] and r.st.canary.baseline is None and not r.of(SaveBaseline)
+    busy_tick(r, canary=answered(r.now, NEAR))  # another token where the second answer is near a tie: no agreement
+    assert r.st.canary.baseline is None and not r.of(SaveBaseline) and not r.alerts("wrong_output")
+    # Disagreeing answers keep nothing and raise nothing; the next pair is tried later.
+    t = r.now
+    while not r.of(SendCanary):
+        busy_tick(r)
+        assert r.now < t + 61.5
+    assert sent(r) == [CanaryPurpose.BASELINE]
+    busy_tick(r, canary=answered(r.now, BASELINE))
+    busy_tick(r, canary=answered(r.now, BASELINE))
+    assert r.of(SaveBaseline) == [SaveBaseline(BASELINE)] and r.st.canary.baseline == BASELINE
+    check_answered(r, BASELINE)
+    assert r.st.canary.checks == 1 and r.st.canary.last.verdict is Verdict.MATCH and r.st.canary.mismatches == 0
+
+
+def test_a_box_never_idle_checks_again_after_a_resume_of_an_engine_that_had_no_baseline():
+    r = Run(ccfg())
+    r.tick(suspend_requested=1)
+    while not r.of(SuspendEngine):
+        busy_tick(r)
+        assert not r.of(SendCanary)  # never idle: no baseline before the lock either
+    op = r.now
+    r.tick(suspender=worker(Op.SUSPEND, op + 0.01, Outcome.SUSPENDED), gpu=card(r.now + 0.5, procs=()))
+    assert r.st.phase is Phase.SUSPENDED and r.st.suspension.baseline is None
+    r.resume()
+    r.tick()
+    probe = r.now
+    r.tick(inference=InferenceProbeSample(sent_at=probe + 0.01, finished_at=probe + 0.1, ok=True))
+    assert r.st.phase is Phase.READY
+    ready = r.now
+    while not r.of(SendCanary):
+        busy_tick(r)
+        assert r.now < ready + 61.5
+    busy_tick(r, canary=answered(r.now, BASELINE))
+    busy_tick(r, canary=answered(r.now, BASELINE))
+    assert r.st.canary.baseline == BASELINE and r.of(SaveBaseline)
