@@ -12,7 +12,7 @@ The engine moves through phases:
     STARTING/young READY --too many start failures--> GIVEN_UP (engine stopped, daemon up)
     GIVEN_UP --r3090ctl restart, or watchdog.give_up_retry later--> STARTING
     any start --the card needs a reset--> RESET_NEEDED --r3090ctl restart--> STARTING
-    any automatic start --others hold the card--> WAITING_FOR_GPU --room--> STARTING
+    any automatic start (the first one too) --others hold the card--> WAITING_FOR_GPU --room--> STARTING
     any --shutdown--> SHUTTING_DOWN --tree gone--> exit 0
     READY --r3090ctl suspend--> SUSPENDING --> SUSPENDED --r3090ctl resume--> RESUMING --> READY
           (r3090d.core.suspension: the stages, their failures and why no liveness rule runs there)
@@ -385,8 +385,9 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
         return _given_up(snap, st, cfg, now, actions, arbitrated)
 
     if st.phase is Phase.STOPPED:
-        # Preflight has already waited out the card's other holders before the first start.
-        return _start(snap, st, cfg, now, actions, "initial start", automatic=False)
+        # The first start passes the gate as an automatic start: a card held by others at boot waits in
+        # WAITING_FOR_GPU (the daemon up, the holders named), not in preflight until it exits 75.
+        return _start(snap, st, cfg, now, actions, "initial start", automatic=True)
 
     if st.phase is Phase.COLD:
         # Swap mode: the arbiter brings the engine in when its model is asked for (or the operator restarts it).

@@ -6,8 +6,10 @@ engine's vLLM version) and `run_checks()` judges it against the config.
 
 Each failure says whether it is permanent (the host cannot run the engine
 until someone changes something: exit 69, no restart) or transient (a port
-or VRAM held by another process, which may go away: retry for
-preflight.transient_give_up_s).
+held by another process, VRAM short with no process to name, which may go
+away: retry for preflight.transient_give_up_s). VRAM held by other processes
+is a warning, not a failure: the engine's start waits for them in
+waiting-for-gpu, as every automatic start does (core.room, core.policy).
 
 The daemon's own engine is not a foreign process: pids passed in
 `own_pids` may hold the port and VRAM.
@@ -269,8 +271,11 @@ def check_vram(gpu: GpuSample, cfg: Config, facts: PreflightFacts) -> CheckResul
     if room.fits:
         return CheckResult("vram", Status.OK, measured, expected)
     if room.holders:
-        return CheckResult("vram", Status.FAIL, measured, expected,
-                           "stop that process (an engine left over from a crash keeps VRAM until killed)", permanent=False)  # fmt: skip
+        # Not a failure: the engine's start waits for the holders in waiting-for-gpu (core.policy's start
+        # gate), the daemon up and the unit active, rather than preflight retrying until it exits 75.
+        return CheckResult("vram", Status.WARN, measured, expected,
+                           "the engine waits in waiting-for-gpu until they let go; stop that process "
+                           "(an engine left over from a crash keeps VRAM until killed)")  # fmt: skip
     return CheckResult("vram", Status.FAIL, measured, expected,
                        "something outside NVML's process list holds VRAM (a display server, another container); "
                        "free it or lower gpu_memory_utilization", permanent=False)  # fmt: skip

@@ -1,10 +1,12 @@
 """Preflight before the first start: check, wait out what is transient, or fail.
 
 A permanent failure exits 69 (systemd leaves it alone); a transient one (port
-busy, VRAM still held by a dying process) is re-checked every
+busy, VRAM short with no process to name) is re-checked every
 preflight.transient_retry_s until preflight.transient_give_up_s, then exits 75
 so systemd tries again later. While it waits, the state file says what for, so
-`r3090ctl status` can tell the operator.
+`r3090ctl status` can tell the operator. A card held by other processes is only
+a warning here: the daemon goes up (READY=1) and the engine's first start waits
+for the holders in waiting-for-gpu, naming them.
 """
 
 from __future__ import annotations

@@ -130,6 +130,50 @@ def test_a_foreign_holder_across_a_crash_makes_the_restart_wait_then_start(heali
     assert st["restarts"]["start_failures"] == 0
 
 
+def test_a_card_held_by_others_at_boot_waits_with_the_unit_active_then_starts(make_daemon, tmp_path, sockdir, monkeypatch):
+    """Preflight finds the card taken: no exit 75 and systemd's restart loop, but READY=1 and waiting-for-gpu
+    naming the holder (preflight gives up on what is transient within the second this test allows it)."""
+    path = tmp_path / "card.json"
+    borrower = os.getpid()  # a real process, so its name can be read
+
+    def card(**fields) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"util": 0, "graphics_processes": [], **fields}))
+        tmp.replace(path)
+
+    card(processes=[[borrower, 20000]], memory_used_mib=20000)
+    monkeypatch.setenv("PYTHONPATH", f"{FAKE_NVML}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("R3090D_FAKE_NVML", str(path))
+    d = make_daemon(watchdog={"poll_interval": 0.3})
+    d.rewrite(gpu={"required": True, "card": "any"}, preflight={"transient_retry_s": 0.5, "transient_give_up_s": 1.0})
+    notify = bind_unix_dgram(sockdir / "notify.sock", timeout=1.0)
+    try:
+        d.start(prefix=["env", f"NOTIFY_SOCKET={sockdir / 'notify.sock'}"])
+        st = d.wait_phase("waiting-for-gpu", timeout=60)
+        assert st["engine"]["pid"] is None
+        assert [h["pid"] for h in st["healing"]["gpu_wait_holders"]] == [borrower]
+        messages: list[bytes] = []
+
+        def ready_naming_the_holder() -> bool:
+            try:
+                messages.append(notify.recv(4096))
+            except TimeoutError:
+                pass
+            return any(b"READY=1" in m for m in messages) and any(b"STATUS=" in m and f"pid {borrower}".encode() in m for m in messages)
+
+        wait_until(ready_naming_the_holder, 30, what="READY=1 and the holder in STATUS=", interval=0.0)
+        notify.close()  # unread, its queue would fill with WATCHDOG=1 and block the daemon's next send
+        # Well past preflight's give-up: still up, still waiting, no engine started.
+        d.proc.wait_for(lambda s: s["engine"]["phase"] == "waiting-for-gpu" and s["written_at"] > st["written_at"] + 2.0, 30,
+                        "two seconds of waiting-for-gpu")  # fmt: skip
+        assert "starting engine" not in d.log()
+        card(processes=[], memory_used_mib=0)  # the borrower lets go
+        st = d.wait_ready(timeout=60)
+        assert st["restarts"]["start_failures"] == 0
+    finally:
+        notify.close()
+
+
 # ------------------------------------------------------------------ a give-up retries by itself
 
 

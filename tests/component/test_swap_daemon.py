@@ -82,14 +82,17 @@ def swap_config(tmp: Path, engine_python: str, runtime_dir: Path, *, models=("al
 
 class Card:
     """The fake card: every engine core that runs is listed with ENGINE_MIB (the checkpoint driver takes it off and
-    puts it back); a core that is gone is dropped."""
+    puts it back); a core that is gone is dropped. `held_by`: (pid, MiB) of processes outside the daemon on the card."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, held_by=()):
         self.path = path
         self.daemon_pid: int | None = None  # only this daemon's engines: other tests may run doubles too
         self.seen: set[int] = set()
         self.stop = threading.Event()
-        write_atomically(path, {"memory_total_mib": TOTAL_MIB, "memory_used_mib": 0, "util": 50, "processes": []})
+        self.lock = threading.Lock()  # one read-modify-write of the card at a time: keep() and release()
+        procs = [list(h) for h in held_by]
+        write_atomically(path, {"memory_total_mib": TOTAL_MIB, "memory_used_mib": sum(mib for _, mib in procs), "util": 50,
+                                "processes": procs})  # fmt: skip
 
     def keep(self) -> None:
         while not self.stop.wait(0.05):
@@ -97,10 +100,18 @@ class Card:
             new, gone = cores - self.seen, {pid for pid in self.seen if pid not in cores}
             if not new and not gone:
                 continue
-            card = json.loads(self.path.read_text())
-            procs = [[pid, mib] for pid, mib in card["processes"] if pid not in gone] + [[pid, ENGINE_MIB] for pid in sorted(new)]
-            write_atomically(self.path, {**card, "processes": procs, "memory_used_mib": sum(mib for _, mib in procs)})
+            with self.lock:
+                card = json.loads(self.path.read_text())
+                procs = [[pid, mib] for pid, mib in card["processes"] if pid not in gone] + [[pid, ENGINE_MIB] for pid in sorted(new)]
+                write_atomically(self.path, {**card, "processes": procs, "memory_used_mib": sum(mib for _, mib in procs)})
             self.seen = (self.seen | new) - gone
+
+    def release(self, pid: int) -> None:
+        """A process outside the daemon lets go of the card."""
+        with self.lock:
+            card = json.loads(self.path.read_text())
+            procs = [[p, mib] for p, mib in card["processes"] if p != pid]
+            write_atomically(self.path, {**card, "processes": procs, "memory_used_mib": sum(mib for _, mib in procs)})
 
     def cores(self) -> set[int]:
         if self.daemon_pid is None:
@@ -123,17 +134,21 @@ class Card:
 def swap_rig(tmp_path, fake_engine_python):
     started = []
 
-    def start(**kw):
+    def start(preflight=False, held_by=(), **kw):
+        """`preflight`: run it (with a give-up of 1 s) rather than --skip-preflight; `held_by`: see Card."""
         runtime = Path(tempfile.mkdtemp(prefix="r3090d-", dir="/tmp"))
+        if preflight:
+            kw["extra"] = {**kw.get("extra", {}), "preflight": {"transient_retry_s": 0.5, "transient_give_up_s": 1.0}}
         config, port, exporter = swap_config(tmp_path, fake_engine_python, runtime, **kw)
-        card = Card(tmp_path / "card.json")
+        card = Card(tmp_path / "card.json", held_by)
         control = tmp_path / "cuda.json"
         write_atomically(control, {"log": str(tmp_path / "calls.jsonl")})
-        proc = DaemonProcess(config, tmp_path / "daemon.log", "--skip-preflight")
+        args = () if preflight else ("--skip-preflight",)
+        proc = DaemonProcess(config, tmp_path / "daemon.log", *args)
         proc._log = open(proc.log_path, "ab")  # noqa: SIM115 (closed by cleanup)
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "R3090D_CONFIG", "R3090D_INSTANCE")}
         env.update(PYTHONPATH=FAKE_PATHS, R3090D_FAKE_NVML=str(card.path), **{FAKE_ENV: str(control)})
-        proc.proc = subprocess.Popen([sys.executable, "-m", "r3090d", "--config", str(config), "--skip-preflight"], stdout=proc._log,
+        proc.proc = subprocess.Popen([sys.executable, "-m", "r3090d", "--config", str(config), *args], stdout=proc._log,
                                      stderr=subprocess.STDOUT, env=env)  # fmt: skip
         card.daemon_pid = proc.proc.pid
         threading.Thread(target=card.keep, daemon=True).start()
@@ -331,6 +346,28 @@ def test_a_gpu_lent_by_the_operator_holds_every_swap_until_resume(swap_rig):
     assert out.returncode == 0, out.stdout + out.stderr
     waiter.join(BOUND)
     assert result["beta"].status_code == 200, result["beta"].text  # once the card is back, beta's turn comes
+
+
+def test_a_card_held_by_others_at_boot_leaves_the_daemon_up_and_the_model_asked_for_waits_naming_them(swap_rig):
+    """Preflight finds the card taken: the daemon does not exit 75 after preflight's give-up (1 s here) but serves
+    through its router; the model asked for waits in waiting-for-gpu naming the holder, and starts once it lets go."""
+    borrower = os.getpid()  # a real process, so its name can be read
+    r = swap_rig(models=("alpha",), preflight=True, held_by=((borrower, 20000),))
+    result: dict = {}
+    waiter = threading.Thread(target=lambda: result.setdefault("alpha", r.complete("alpha")), daemon=True)
+    waiter.start()
+    st = r.proc.wait_for(lambda st: st if r.model(st, "alpha")["engine"]["phase"] == "waiting-for-gpu" else None, BOUND,
+                         "alpha waiting for the GPU")  # fmt: skip
+    assert [h["pid"] for h in r.model(st, "alpha")["healing"]["gpu_wait_holders"]] == [borrower]
+    assert "preflight vram WARN" in r.proc.log()
+    # Well past preflight's give-up: still up, alpha still waiting, its request still queued at the router.
+    r.proc.wait_for(lambda s: r.model(s, "alpha")["engine"]["phase"] == "waiting-for-gpu" and s["written_at"] > st["written_at"] + 2.0,
+                    BOUND, "two seconds of waiting-for-gpu")  # fmt: skip
+    assert "alpha" not in result
+    r.card.release(borrower)
+    waiter.join(BOUND)
+    assert result["alpha"].status_code == 200, result["alpha"].text
+    assert r.model(r.proc.state(), "alpha")["restarts"]["start_failures"] == 0
 
 
 def test_on_cpu_a_busy_outgoing_engine_is_closed_and_stopped_only_once_its_streams_finished(swap_rig):

@@ -368,6 +368,18 @@ def test_a_foreign_holder_across_a_crash_makes_the_restart_wait_then_start_witho
     assert [a.state for a in r.sent if a.key == "gpu_room"] == ["firing", "resolved"]
 
 
+def test_a_card_held_by_others_at_boot_makes_the_initial_start_wait_then_start():
+    """Preflight leaves a taken card to the gate: the first start waits, naming the holder, as a restart does."""
+    c = cfg(gpu_required=True)
+    borrower = ((4242, 12 * GIB),)
+    st = policy.initial_state(0.0)
+    acts, st = policy.decide(snap(0, ch=ChildSample(), gpu=card(0, procs=borrower), process_names=((4242, "python3"),)), st, c, 0)
+    assert not starts(acts) and st.phase is Phase.WAITING_FOR_GPU
+    assert "pid 4242 (python3, 12288 MiB)" in st.gpu_wait.text()
+    acts, st = policy.decide(snap(1, ch=ChildSample(), gpu=card(1, procs=())), st, c, 1)
+    assert starts(acts) == [StartEngine(reason="initial start")] and st.phase is Phase.STARTING
+
+
 def test_a_small_foreign_context_leaves_room_and_the_start_goes_on():
     r = Run(cfg(gpu_required=True))
     r.tick(ch=dead(1), gpu=card(r.now + 0.5, procs=((4242, 300 * MIB),)))

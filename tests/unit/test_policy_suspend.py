@@ -83,7 +83,7 @@ class Run:
         self.now = 0.0
         self.st = policy.initial_state(0.0)
         self.acts: list = []
-        self.tick(ch=ChildSample())
+        self.tick(ch=ChildSample(), gpu=card(0.5, procs=()))  # the card before the engine's core is on it
         assert self.st.phase is Phase.STARTING
         self.tick()
         assert self.st.phase is Phase.READY

@@ -73,7 +73,7 @@ def test_any_card_accepts_the_h200():
 def test_under_load_the_process_is_foreign_unless_it_is_ours():
     (proc,) = LOAD.processes
     foreign = check(LOAD)["vram"]
-    assert foreign.status is Status.FAIL and not foreign.permanent
+    assert foreign.status is Status.WARN
     assert foreign.measured.endswith(f"; held by pid {proc.pid} ({proc.used_bytes / MIB:.0f} MiB)"), foreign.measured
     own = check(LOAD, own=(proc.pid,))["vram"]
     assert own.status is Status.OK and own.measured == f"held by r3090d's engine (pid {proc.pid})"
