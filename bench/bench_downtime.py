@@ -25,6 +25,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -144,7 +145,7 @@ def ready_rounds(rounds: int, tmp: Path, python: str) -> tuple[list[float], list
 
 
 def ctl_argv() -> list[str]:
-    found = shutil.which("r3090ctl")
+    found = shutil.which("r3090ctl", path=sysconfig.get_path("scripts"))  # beside this python, not first on PATH
     return [found] if found else [sys.executable, "-c", "from r3090d.cli import ctl_main; ctl_main()"]
 
 

@@ -79,7 +79,7 @@ MODEL_NAME = "gpu-idle"
 TOKEN_DELAY_S = 0.05  # the double's step: slow enough that 3 streams neither load the CPU nor fill the KV cache
 STREAM_TOKENS = 30000  # under the double's max_model_len: a stream outlives any round
 POLL_ACCESS = re.compile(r'"GET /(health|metrics) HTTP')
-DAEMON_DEPS = ("click", "psutil", "requests", "prometheus_client")
+DAEMON_DEPS = ("click", "psutil", "httpx", "prometheus_client")
 SDNOTIFY_STUB = '''"""No-op stand-in for sdnotify, written by bench/gpu_idle.py: NOTIFY_SOCKET is unset, so r3090d never calls it."""
 
 

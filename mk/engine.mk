@@ -63,8 +63,8 @@ ENGINE_CPU_UNWANTED := torchvision torchaudio torchcodec
 TINY_MODEL ?= build/tiny-qwen2
 TINY_MODEL_WEIGHTS ?= build/tiny-qwen2-weights
 # The script needs the `tokenizers` package, and for the weights `numpy` and
-# `safetensors` (all in the project's test extras).
-TINY_MODEL_PYTHON ?= python3
+# `safetensors` (all in the project's test extras, so in the venv: mk/venv.mk).
+TINY_MODEL_PYTHON ?= $(PYTHON)
 TINY_MODEL_SCRIPT := scripts/make_tiny_model.py
 
 .PHONY: engine engine-cuda engine-cpu tiny-model tiny-model-weights tiny-model-clean
@@ -129,13 +129,13 @@ $(ENGINE_STAMP_cpu):
 
 tiny-model: $(TINY_MODEL)/config.json
 
-$(TINY_MODEL)/config.json: $(TINY_MODEL_SCRIPT)
+$(TINY_MODEL)/config.json: $(TINY_MODEL_SCRIPT) | $(DEV_STAMP)
 	@echo "tiny-model: writing $(TINY_MODEL)"
 	@$(TINY_MODEL_PYTHON) $(TINY_MODEL_SCRIPT) $(TINY_MODEL)
 
 tiny-model-weights: $(TINY_MODEL_WEIGHTS)/model.safetensors
 
-$(TINY_MODEL_WEIGHTS)/model.safetensors: $(TINY_MODEL_SCRIPT)
+$(TINY_MODEL_WEIGHTS)/model.safetensors: $(TINY_MODEL_SCRIPT) | $(DEV_STAMP)
 	@echo "tiny-model-weights: writing $(TINY_MODEL_WEIGHTS)"
 	@$(TINY_MODEL_PYTHON) $(TINY_MODEL_SCRIPT) --weights $(TINY_MODEL_WEIGHTS)
 

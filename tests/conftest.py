@@ -6,8 +6,35 @@ import functools
 
 import pytest
 
+from tests import tiers
 from tests import unprivileged as unprivileged_mod
 from tests.fakevllm.harness import FakeVllm, make_engine_python
+
+_TIER_OF_TEST = pytest.StashKey[dict[str, tiers.Tier]]()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test's tier, from its marks, for the skip summary."""
+    config.stash[_TIER_OF_TEST] = {
+        item.nodeid: tiers.tier_of(item.nodeid, (m.name for m in item.iter_markers())) for item in items
+    }
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_sessionfinish(session):
+    """After pytest's own last line: one line per tier that did not run fully, saying how much and why."""
+    result = yield
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        tier_of_test = session.config.stash.get(_TIER_OF_TEST, {})
+        skips = []
+        for report in reporter.stats.get("skipped", []):
+            whole_file = report.nodeid not in tier_of_test  # skipped at collection: a test file, not a test
+            tier = tier_of_test.get(report.nodeid) or tiers.tier_of(report.nodeid, ())
+            skips.append(tiers.Skip(tier, tiers.skip_reason(report.longrepr), whole_file))
+        for line in tiers.summary_lines(skips):
+            reporter.write_line(line, yellow=True)
+    return result
 
 
 @pytest.fixture(scope="session")

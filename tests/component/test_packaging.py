@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import r3090d
+from tests.checkout import copy_checkout
 
 pytestmark = pytest.mark.component
 
@@ -28,23 +29,6 @@ SHIPPED = {
     "r3090d/data/prometheus-rules.yml": "etc/prometheus-rules.yml",
     "r3090d/data/haproxy.cfg": "etc/haproxy.cfg",
 }
-
-
-def copy_checkout(dest: Path) -> None:
-    """The files git would commit (tracked and new, not ignored), links kept as links."""
-    listed = subprocess.run(
-        ["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"], capture_output=True, check=True
-    ).stdout.decode().split("\0")
-    for rel in filter(None, listed):
-        src = REPO / rel
-        if not (src.exists() or src.is_symlink()):
-            continue  # deleted in the working tree
-        target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_symlink():
-            target.symlink_to(os.readlink(src))
-        else:
-            shutil.copy2(src, target)
 
 
 @pytest.fixture(scope="module")

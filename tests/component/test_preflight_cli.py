@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -16,7 +17,9 @@ from r3090d.probes.nvml import read_gpu
 
 pytestmark = pytest.mark.component
 
-CTL = [shutil.which("r3090ctl")] if shutil.which("r3090ctl") else [sys.executable, "-c", "from r3090d.cli import ctl_main; ctl_main()"]
+# The r3090ctl installed beside this python (the venv's), not another one that PATH finds first.
+_SCRIPT = shutil.which("r3090ctl", path=sysconfig.get_path("scripts"))
+CTL = [_SCRIPT] if _SCRIPT else [sys.executable, "-c", "from r3090d.cli import ctl_main; ctl_main()"]
 
 
 def free_port() -> int:

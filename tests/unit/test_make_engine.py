@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,10 +28,12 @@ def bare_path(tmp_path) -> Path:
     """A PATH folder with what the recipes and probes need, and no nvidia-smi."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("sh", "bash", "make", "python3", "test", "grep", "ldconfig", "dirname", "readlink", "cat"):
+    for tool in ("sh", "bash", "make", "test", "grep", "ldconfig", "dirname", "readlink", "cat"):
         found = shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/sbin")
         if found and os.path.basename(found) != "nvidia-smi":
             (bin_dir / tool).symlink_to(found)
+    # The python running the tests: the python3 on PATH may be a pyenv shim, which needs pyenv on PATH too.
+    (bin_dir / "python3").symlink_to(sys.executable)
     return bin_dir
 
 
