@@ -2,7 +2,7 @@
 
 vLLM's lines reach the daemon through a pipe with no level attached; the
 engine's output reader (r3090d.effectors.child) classifies each and relays it
-at that level, and the journal setup (r3090d.service.journal) stores it at that
+at that level, and the journal setup (r3090d.effectors.journal) stores it at that
 priority. Pure: text in, a priority out.
 """
 
@@ -13,7 +13,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-from r3090d.core import rootcause
+from r3090d import pydanticerrors
 
 # Relayed vLLM lines go through their own logger, set to DEBUG by the daemon:
 # vLLM already decided which of its lines to print (VLLM_LOGGING_LEVEL), and the
@@ -134,12 +134,12 @@ class VllmLineClassifier:
         if not block.ended:
             if at_column_0 and _EXCEPTION_LINE.match(text):
                 block.ended = True
-                block.errors_to_come = rootcause.validation_errors(text)
+                block.errors_to_come = pydanticerrors.validation_errors(text)
             return True
         if not at_column_0:
             if not text.strip():
                 return False  # a blank line ends it: what follows is a new sentence
-            if rootcause.is_validation_message(text) and block.errors_to_come:
+            if pydanticerrors.is_validation_message(text) and block.errors_to_come:
                 block.errors_to_come -= 1
             return True
         return block.errors_to_come > 0  # the field name above a ValidationError's message

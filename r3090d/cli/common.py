@@ -21,7 +21,7 @@ import click
 from r3090d import __version__, exitcodes
 from r3090d import config as configmod
 from r3090d.config import ConfigError
-from r3090d.service import journal
+from r3090d.effectors import journal
 
 JSON_FLAG = "--json"
 

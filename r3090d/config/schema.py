@@ -11,7 +11,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from r3090d.core.snapshot import CLOCK_EVENT_REASONS as NVML_CLOCK_EVENT_REASONS
 from r3090d.units import MIB as MIB  # re-exported by r3090d.config
 
 # Linux limits: a path component (NAME_MAX) and a whole path (PATH_MAX, with its NUL).
@@ -31,9 +30,23 @@ PORTS_PER_INSTANCE = 100
 MAX_MODELS = PORTS_PER_INSTANCE
 MAX_MODEL_NAME = 128  # a served model name: what clients send as "model"
 
-# The clock-event reason names, from the one list beside GpuSample: loading a
-# config needs no NVML.
-CLOCK_EVENT_REASONS = frozenset(NVML_CLOCK_EVENT_REASONS)
+# NVML's clock event (throttle) reasons as probes.nvml.clock_reason_table names them
+# (pynvml's nvmlClocksEventReason* constants, CamelCase to snake_case), in bit order.
+# A unit test keeps this list and the probe's in step.
+CLOCK_EVENT_REASON_NAMES = (
+    "gpu_idle",
+    "applications_clocks_setting",
+    "sw_power_cap",
+    "hw_slowdown",
+    "sync_boost",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+    "display_clock_setting",
+    "board_limit",
+    "reliability",
+)
+CLOCK_EVENT_REASONS = frozenset(CLOCK_EVENT_REASON_NAMES)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from r3090d.pydanticerrors import is_validation_message, validation_errors
+
 MAX_CHARS = 400  # enough for vLLM's longest one-line explanations, short enough for a mail subject
 
 # "(EngineCore_DP0 pid=123) ", "(VllmWorker rank=0 pid=9) ", "(Worker_TP0 pid=9) "
@@ -42,23 +44,7 @@ _LOG_HEADER = re.compile(r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+(?:[\
 # "ValueError: ...", "torch.OutOfMemoryError: ...", "KeyboardInterrupt"
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Failure)(?::\s.*)?$")
 
-# pydantic v2's ValidationError is a header, then per error: the field's location
-# at column 0 (none for a model-level validator's error), the message indented by
-# two spaces with " [type=..., input_value=..., input_type=...]" appended, and a
-# "    For further information visit https://errors.pydantic.dev/..." footer.
-VALIDATION_HEADER = re.compile(r"ValidationError: (?P<count>\d+) validation errors? for \S")
-_VALIDATION_DETAILS = " [type="
-
-
-def validation_errors(exception_line: str) -> int:
-    """How many errors a pydantic ValidationError's header announces; 0 for any other exception line."""
-    m = VALIDATION_HEADER.search(exception_line)
-    return int(m.group("count")) if m else 0
-
-
-def is_validation_message(text: str) -> bool:
-    """A pydantic error's message line: indented by exactly two spaces."""
-    return text.startswith("  ") and text[2:3] not in ("", " ", "\t")
+_VALIDATION_DETAILS = " [type="  # appended to a pydantic message line (r3090d.pydanticerrors)
 
 
 @dataclass(frozen=True)

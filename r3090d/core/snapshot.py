@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from r3090d.config.schema import CLOCK_EVENT_REASON_NAMES
 from r3090d.core.xid import RecoveryAction
 
 if TYPE_CHECKING:
@@ -34,22 +35,8 @@ class GpuStatus(enum.StrEnum):
     PENDING = "pending"  # the worker has not produced its first sample yet
 
 
-# NVML's clock event (throttle) reasons as probes.nvml.clock_reason_table names them
-# (pynvml's nvmlClocksEventReason* constants, CamelCase to snake_case), in bit order.
-# A unit test keeps this list and the probe's in step.
-CLOCK_EVENT_REASONS = (
-    "gpu_idle",
-    "applications_clocks_setting",
-    "sw_power_cap",
-    "hw_slowdown",
-    "sync_boost",
-    "sw_thermal_slowdown",
-    "hw_thermal_slowdown",
-    "hw_power_brake_slowdown",
-    "display_clock_setting",
-    "board_limit",
-    "reliability",
-)
+# NVML's clock event (throttle) reasons, in bit order: named once, in the config's schema (the lowest layer that uses them).
+CLOCK_EVENT_REASONS = CLOCK_EVENT_REASON_NAMES
 
 
 @dataclass(frozen=True)

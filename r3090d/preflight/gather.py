@@ -17,6 +17,7 @@ from r3090d.core.snapshot import GpuSample, GpuStatus
 from r3090d.core.suspend_types import Outcome
 from r3090d.core.suspension import pick_target
 from r3090d.effectors.suspender import Suspender
+from r3090d.measure.modelinfo import read_model_dir
 from r3090d.preflight.checks import CheckResult, PreflightFacts, run_checks
 from r3090d.probes import nvml as nvmlprobe
 from r3090d.probes.host import gather_host
@@ -100,8 +101,8 @@ def gather(
             kwargs = {"nvml": nvml} if nvml is not None else {}
             gpu = nvmlprobe.read_gpu(cfg.gpu.index, timeout, **kwargs)
     own_pids = frozenset(own_pids)
-    host = gather_host(cfg.engine.host, cfg.engine.port, cfg.engine.model, root)
-    host = dataclasses.replace(host, mem_available_bytes=read_mem_available(root))
+    host = gather_host(cfg.engine.host, cfg.engine.port, root)
+    host = dataclasses.replace(host, mem_available_bytes=read_mem_available(root), model=model_facts(cfg.engine.model))
     version = error = None
     try:
         version = str(argvmod.engine_version(cfg.engine.python))
@@ -132,3 +133,13 @@ def _host_memory(root: Path | str) -> HostMemory:
 
 def run(cfg: Config, own_pids: Iterable[int] = (), **kwargs) -> list[CheckResult]:
     return run_checks(gather(cfg, own_pids, **kwargs), cfg)
+
+
+def model_facts(model: str | None):
+    """What the model's directory says of it (measure/modelinfo.py); None for a hub name."""
+    return read_model_dir(model) if model and _is_local_path(model) else None
+
+
+def _is_local_path(model: str) -> bool:
+    """engine.model is a directory path, not a hub name such as Qwen/Qwen2.5-7B-Instruct."""
+    return model.startswith(("/", ".", "~")) or Path(model).expanduser().exists()

@@ -15,7 +15,6 @@ from pathlib import Path
 import psutil
 
 from r3090d.core.snapshot import HostFacts, PortFacts, PortHolder
-from r3090d.measure.modelinfo import read_model_dir
 
 # Connections a server's port can carry after its listener is gone (accepted
 # sockets still open or closing). They keep a plain bind() out, but not the
@@ -143,19 +142,13 @@ def check_port(host: str, port: int) -> PortFacts:
     return PortFacts(host, port, False, "bound by a process that is not listening yet (a server still starting?)")
 
 
-def gather_host(engine_host: str, engine_port: int, model_path: str | None, root: Path | str = "/") -> HostFacts:
+def gather_host(engine_host: str, engine_port: int, root: Path | str = "/") -> HostFacts:
+    """The host's own facts; the model directory's are the measuring tools' to read (preflight's gather adds them)."""
     swap, devices = read_swap(root)
-    model = read_model_dir(model_path) if model_path and _is_local_path(model_path) else None
     return HostFacts(
         swap_total_bytes=swap,
         swap_devices=devices,
         swappiness=read_swappiness(root),
         governors=read_governors(root),
         port=check_port(engine_host, engine_port),
-        model=model,
     )
-
-
-def _is_local_path(model: str) -> bool:
-    """engine.model is a directory path, not a hub name such as Qwen/Qwen2.5-7B-Instruct."""
-    return model.startswith(("/", ".", "~")) or Path(model).expanduser().exists()

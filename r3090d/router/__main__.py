@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {exc.one_line()}", file=sys.stderr)
         return exitcodes.CONFIG
     # Imported here: --help and argument errors need no aiohttp.
+    from r3090d.effectors.journal import setup_logging
     from r3090d.router.app import Options, serve
-    from r3090d.service.journal import setup_logging
 
     setup_logging()
     options = Options(host=args.host, port=args.port, link=args.link, queue_timeout=args.queue_timeout,

@@ -7,8 +7,8 @@ import logging
 from r3090d import __version__, exitcodes
 from r3090d import argv as argvmod
 from r3090d import config as configmod
+from r3090d.effectors.journal import setup_logging
 from r3090d.service.daemon import Daemon
-from r3090d.service.journal import setup_logging
 
 log = logging.getLogger("r3090d")
 

@@ -12,6 +12,7 @@ import pytest
 
 from r3090d import config
 from r3090d.core.snapshot import HostFacts
+from r3090d.preflight import gather
 from r3090d.preflight.checks import Status, check_governor, check_port, check_swap, check_swappiness
 from r3090d.probes import host
 
@@ -43,7 +44,7 @@ def test_swap_on_sums_every_device(tmp_path):
     total, devices = host.read_swap(root)
     assert total == (8388604 + 1048576) * 1024
     assert devices == ("/dev/sda2", "/swapfile")
-    facts = host.gather_host("127.0.0.1", _free_port(), None, root)
+    facts = host.gather_host("127.0.0.1", _free_port(), root)
     r = check_swap(facts)
     assert r.status is Status.WARN and "/dev/sda2" in r.measured and "swapoff" in r.hint
 
@@ -51,12 +52,12 @@ def test_swap_on_sums_every_device(tmp_path):
 def test_swap_off(tmp_path):
     root = tree(tmp_path, {"proc/swaps": SWAPS_HEADER})
     assert host.read_swap(root) == (0, ())
-    assert check_swap(host.gather_host("127.0.0.1", _free_port(), None, root)).status is Status.OK
+    assert check_swap(host.gather_host("127.0.0.1", _free_port(), root)).status is Status.OK
 
 
 def test_swap_not_readable_is_not_measured(tmp_path):
     assert host.read_swap(tmp_path) == (None, ())
-    assert check_swap(host.gather_host("127.0.0.1", _free_port(), None, tmp_path)).status is Status.SKIP
+    assert check_swap(host.gather_host("127.0.0.1", _free_port(), tmp_path)).status is Status.SKIP
 
 
 def test_swap_garbage_is_not_measured(tmp_path):
@@ -71,7 +72,7 @@ def test_swap_garbage_is_not_measured(tmp_path):
 def test_swappiness(tmp_path, text, value, status):
     root = tree(tmp_path, {"proc/sys/vm/swappiness": text})
     assert host.read_swappiness(root) == value
-    assert check_swappiness(host.gather_host("127.0.0.1", _free_port(), None, root), CFG).status is status
+    assert check_swappiness(host.gather_host("127.0.0.1", _free_port(), root), CFG).status is status
 
 
 def test_swappiness_missing(tmp_path):
@@ -84,13 +85,13 @@ def test_swappiness_missing(tmp_path):
 def test_governors_all_performance(tmp_path):
     root = tree(tmp_path, governor_files("performance", "performance", "performance"))
     assert host.read_governors(root) == ("performance",)
-    assert check_governor(host.gather_host("127.0.0.1", _free_port(), None, root), CFG).status is Status.OK
+    assert check_governor(host.gather_host("127.0.0.1", _free_port(), root), CFG).status is Status.OK
 
 
 def test_governors_mixed(tmp_path):
     root = tree(tmp_path, governor_files("performance", "powersave", "performance"))
     assert host.read_governors(root) == ("performance", "powersave")
-    r = check_governor(host.gather_host("127.0.0.1", _free_port(), None, root), CFG)
+    r = check_governor(host.gather_host("127.0.0.1", _free_port(), root), CFG)
     assert r.status is Status.WARN and "powersave" in r.measured and "cpupower" in r.hint
 
 
@@ -98,7 +99,7 @@ def test_governor_missing_is_skipped(tmp_path):
     # CPUs without cpufreq (containers, some VMs): the directories exist, the files do not.
     (tmp_path / "sys/devices/system/cpu/cpu0").mkdir(parents=True)
     assert host.read_governors(tmp_path) is None
-    r = check_governor(host.gather_host("127.0.0.1", _free_port(), None, tmp_path), CFG)
+    r = check_governor(host.gather_host("127.0.0.1", _free_port(), tmp_path), CFG)
     assert r.status is Status.SKIP
 
 
@@ -106,9 +107,9 @@ def test_gather_reads_the_model_directory(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
-    facts = host.gather_host("127.0.0.1", _free_port(), str(model), tmp_path)
-    assert facts.model is not None and facts.model.architecture == "Qwen2ForCausalLM"
-    assert host.gather_host("127.0.0.1", _free_port(), "Qwen/Qwen2.5-7B-Instruct", tmp_path).model is None
+    facts = gather.model_facts(str(model))
+    assert facts is not None and facts.architecture == "Qwen2ForCausalLM"
+    assert gather.model_facts("Qwen/Qwen2.5-7B-Instruct") is None
 
 
 # ---------------------------------------------------------------------- port

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from r3090d.effectors import journal
 from r3090d.effectors.child import EngineProcess
-from r3090d.service import journal
 from r3090d.vllmlines import MAX_TRACEBACK_LINES, Priority, VllmLineClassifier
 from tests.waiting import wait_until
 

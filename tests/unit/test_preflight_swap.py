@@ -74,7 +74,7 @@ PLENTY = HostMemory(60_000)
 
 
 def swap_facts(memory=PLENTY, gpu=RTX3090) -> PreflightFacts:
-    return PreflightFacts(gpu=gpu, host=gather.gather_host("127.0.0.1", 1, None), host_memory=memory)
+    return PreflightFacts(gpu=gpu, host=gather.gather_host("127.0.0.1", 1), host_memory=memory)
 
 
 @needs_swap_config
