@@ -30,6 +30,9 @@ GPU_IDLE_CANARY=1 (bench/gpu_canary.py) ties the double's answers to the weights
     makes the worker XOR bit B of N bf16 weights spread over the tensor (its own
     GPU memory: nobody else can write it), then it removes the file and reports
     `flips`, `flipped_at` (wall clock) and the new checksum;
+  - a request file sleep-request.json in the status dir puts the weights to sleep and wakes them, as
+    vLLM's sleep mode does (bench/gpu_sleep_worker.py; the double sends it: tests/fakevllm/sleep.py);
+    after a wake the new checksum goes out at once, with the step's report under "sleep";
   - the launcher waits for the worker's first checksum (the weights are loaded),
     then starts the double with FAKE_VLLM_ANSWER_SALT_DIR naming the status dir:
     its greedy answers mix in the newest worker's checksum, so changed weights
