@@ -164,6 +164,9 @@ def test_level_1_sleep_holds_requests_until_wake_and_answers_stay_the_same(fake_
     assert result == {"value": before}
     assert is_sleeping(double) is False
     assert greedy(double) == before
+    # vLLM's own lines, for a daemon's log to read as with vLLM
+    wait_until(lambda: "seconds to fall asleep." in double.output() and "seconds to wake up tags" in double.output(), BOUND,
+               what="the sleep's log lines", details=double.output)  # fmt: skip
 
 
 def test_wake_by_tags_is_sleeping_until_every_tag_is_awake(fake_vllm):

@@ -668,7 +668,7 @@ class App:
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.engine = Engine(opts, self.events)
         self.behaviour = Behaviour(opts)
-        self.sleep = sleepmode.SleepMode(opts, self.engine)
+        self.sleep = sleepmode.SleepMode(opts, self.engine, log)
         self.api_key = os.environ.get("VLLM_API_KEY") or None
         self.draining = False
         self.active_lock = threading.Lock()

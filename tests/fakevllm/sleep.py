@@ -133,9 +133,10 @@ class WorkerLink:
 class SleepMode:
     """The engine's pause and sleep state; every HTTP handler thread goes through `lock`/`changed`."""
 
-    def __init__(self, opts, engine):
+    def __init__(self, opts, engine, log=lambda message, level="INFO", where="": None):
         self.opts = opts
         self.engine = engine
+        self.log = log  # server.log: vLLM's lines, so a daemon's log reads as with vLLM
         self.enabled = bool(opts.enable_sleep_mode)
         self.dev = dev_mode()
         self.changed = threading.Condition()
@@ -239,6 +240,7 @@ class SleepMode:
         if self.asleep:
             return  # vLLM's executor: "already sleeping", nothing done
         level = min(level, 2)
+        start = time.monotonic()
         if self.worker is not None and self.enabled:
             self.worker.ask("sleep", level=level, growth_mib=self.opts.fake_sleep_residual_growth_mib)
         with self.changed:
@@ -247,11 +249,14 @@ class SleepMode:
             if self.enabled:
                 self.sleeps += 1
                 self._card_sleep()
+        self.log(f"It took {time.monotonic() - start:.6f} seconds to fall asleep.", where="abstract.py")
 
     def wake_up(self, tags: list[str] | None) -> None:
         if self.opts.fake_wake_500:
             raise SleepError("CUDA error: out of memory (--fake-wake-500)")
+        self.log(f"wake up the engine with tags: {tags}")
         waking = set(TAGS) if tags is None else {t for t in tags if t in TAGS}
+        start = time.monotonic()
         if self.asleep & waking:
             if self.worker is not None and self.enabled and "weights" in (self.asleep & waking):
                 self.worker.ask("wake", corrupt=8 if self.opts.fake_wake_corrupts else 0)
@@ -264,6 +269,11 @@ class SleepMode:
                 self.asleep -= waking
                 if not self.asleep:
                     self._card_wake()
+            named = tags if tags is not None else sorted(waking)
+            self.log(
+                f"It took {time.monotonic() - start:.6f} seconds to wake up tags {named}.",
+                where="abstract.py",
+            )
         self._resume()  # vLLM's engine core resumes the scheduler after every wake_up
 
     def reload_weights(self) -> None:
