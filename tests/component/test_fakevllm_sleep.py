@@ -156,9 +156,15 @@ def test_level_1_sleep_holds_requests_until_wake_and_answers_stay_the_same(fake_
     assert double.state()["sleep"]["level"] == 1
     assert http().get(double.url + "/health").status_code == 200  # a sleeping engine is healthy
     held, result = in_background(lambda: greedy(double))
-    wait_until(lambda: any(e["path"] == "/v1/completions" and e["status"] is None for e in double.request_log()), BOUND,
-               what="the completion to arrive and wait")  # fmt: skip
+    wait_until(
+        lambda: double.state()["sleep"]["held_requests"] == 1, BOUND, what="the completion to arrive and wait"
+    )
     assert held.is_alive()
+    # As vLLM's scheduler does, the held request counts as waiting.
+    assert (
+        'vllm:num_requests_waiting{engine="0",model_name="fake"} 1.0'
+        in http().get(double.url + "/metrics").text
+    )
     assert post(double, "/wake_up").status_code == 200
     held.join(BOUND)
     assert result == {"value": before}
@@ -239,8 +245,7 @@ def test_pause_abort_ends_running_requests_and_holds_new_ones(fake_vllm):
     thread.join(BOUND)
     assert finish_reason(result) == "abort"
     held, answer = in_background(lambda: greedy(double))
-    wait_until(lambda: any(e["path"] == "/v1/completions" and e["status"] is None for e in double.request_log()), BOUND,
-               what="a new completion to wait")  # fmt: skip
+    wait_until(lambda: double.state()["sleep"]["held_requests"] == 1, BOUND, what="a new completion to wait")
     assert post(double, "/resume").status_code == 200
     held.join(BOUND)
     assert "value" in answer

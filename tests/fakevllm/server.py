@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -730,6 +731,8 @@ class App:
             except OSError as e:
                 return 500, f"cannot read {b.metrics_file}: {e.strerror}\n"
         values = b.values(self.engine)
+        if self.sleep.held:  # held by a pause or a sleep: in vLLM they wait in the scheduler
+            values = dataclasses.replace(values, waiting=values.waiting + self.sleep.held)
         with self.engine.lock:
             return 200, prom.render(
                 model_name=self.opts.served_names[0],

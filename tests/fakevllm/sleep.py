@@ -146,6 +146,7 @@ class SleepMode:
         self.sleeps = 0  # sleeps that freed memory (level >= 1)
         self.weights_garbage = False  # woken from level 2, not reloaded
         self.corrupt_wakes = 0
+        self.held = 0  # requests waiting in wait_admitted: vLLM's scheduler counts them as waiting
         self.awake_mib: int | None = None
         self.residual_mib: int | None = None
         where = os.environ.get(ENV_WORKER_DIR)
@@ -158,8 +159,12 @@ class SleepMode:
     def wait_admitted(self) -> None:
         """A new request waits here while the engine is paused or asleep, as vLLM's paused scheduler holds it."""
         with self.changed:
-            while self.is_sleeping():
-                self.changed.wait(0.25)
+            self.held += 1
+            try:
+                while self.is_sleeping():
+                    self.changed.wait(0.25)
+            finally:
+                self.held -= 1
 
     def answer_salt(self) -> bytes:
         """Mixed into greedy answers: weights changed by a faulty wake, or garbage after a level-2 wake."""
@@ -178,6 +183,7 @@ class SleepMode:
             "enabled": self.enabled,
             "dev_mode": self.dev,
             "is_sleeping": self.is_sleeping(),
+            "held_requests": self.held,
             "paused": self.paused,
             "asleep_tags": sorted(self.asleep),
             "level": self.level,
