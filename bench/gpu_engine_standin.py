@@ -30,6 +30,9 @@ GPU_IDLE_CANARY=1 (bench/gpu_canary.py) ties the double's answers to the weights
     makes the worker XOR bit B of N bf16 weights spread over the tensor (its own
     GPU memory: nobody else can write it), then it removes the file and reports
     `flips`, `flipped_at` (wall clock) and the new checksum;
+  - a request file sleep-request.json in the status dir puts the weights to sleep and wakes them, as
+    vLLM's sleep mode does (bench/gpu_sleep_worker.py; the double sends it: tests/fakevllm/sleep.py);
+    after a wake the new checksum goes out at once, with the step's report under "sleep";
   - the launcher waits for the worker's first checksum (the weights are loaded),
     then starts the double with FAKE_VLLM_ANSWER_SALT_DIR naming the status dir:
     its greedy answers mix in the newest worker's checksum, so changed weights
@@ -100,6 +103,15 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def sleep_module():
+    """bench/gpu_sleep_worker.py, whether this file runs as a script (bench/ first on the path) or as bench.*."""
+    try:
+        import gpu_sleep_worker
+    except ImportError:
+        from bench import gpu_sleep_worker
+    return gpu_sleep_worker
+
+
 def torch_worker(status_dir: str, weight_gib: float, seed: int, canary: bool) -> None:
     import torch
 
@@ -111,24 +123,28 @@ def torch_worker(status_dir: str, weight_gib: float, seed: int, canary: bool) ->
     d = max(128, int(math.sqrt(weight_gib * 2**30 / LAYERS / 2)) // 128 * 128)
     weights = torch.empty((LAYERS, d, d), dtype=torch.bfloat16, device=dev)
     weights.normal_(0.0, d**-0.5, generator=gen)  # keeps |W h| close to |h| down the chain
+    # The weights live in the store from here on: a sleep (gpu_sleep_worker) frees them and brings them back.
+    store = sleep_module().TorchWeights(weights)
+    sleeper = sleep_module().Sleeper(store, status_dir, seed)
+    del weights
     h = torch.randn(d, dtype=torch.bfloat16, device=dev, generator=gen)
     probe = (torch.randint(0, 2, (d,), device=dev, generator=gen) * 2 - 1).to(torch.bfloat16)  # the fixed x of y = W.x
     # Position weights of the checksum (a prime modulus keeps them nonzero): exact in int64, any changed y changes it.
     places = torch.arange(LAYERS * d, device=dev, dtype=torch.int64) % 65521 + 1
 
     def checksum() -> int:
-        y = torch.mv(weights.view(LAYERS * d, d), probe)  # every weight, one GEMV
+        y = torch.mv(store.data.view(LAYERS * d, d), probe)  # every weight, one GEMV
         return int(((y.view(torch.int16).to(torch.int64) & 0xFFFF) * places).sum())
 
     def flip(count: int, bit: int) -> None:
-        flat = weights.view(-1).view(torch.int16)
+        flat = store.data.view(-1).view(torch.int16)
         idx = torch.arange(count, device=dev, dtype=torch.int64) * (flat.numel() // count) + (flat.numel() // count) // 2
         flat[idx] = flat[idx] ^ ((1 << bit) if bit < 15 else -(1 << 15))
         torch.cuda.synchronize()
 
     torch.cuda.synchronize()
     name = torch.cuda.get_device_name(dev)
-    print(f"gpu-idle worker {os.getpid()}: {LAYERS} GEMVs of {d}x{d} bf16 ({weights.numel() * 2 / 2**30:.2f} GiB) on {name}", flush=True)
+    print(f"gpu-idle worker {os.getpid()}: {LAYERS} GEMVs of {d}x{d} bf16 ({store.nbytes / 2**30:.2f} GiB) on {name}", flush=True)
     extra: dict = {"seed": seed}
     if canary:
         extra.update(checksum=checksum(), flips=0)
@@ -137,7 +153,7 @@ def torch_worker(status_dir: str, weight_gib: float, seed: int, canary: bool) ->
     while True:
         x = h
         for i in range(LAYERS):
-            x = torch.mv(weights[i], x)
+            x = torch.mv(store.data[i], x)
         h = x * (d**0.5 / (x.float().norm() + 1e-3)).to(torch.bfloat16)
         torch.cuda.synchronize()  # one host sync per step, as a decode step has
         steps += 1
@@ -146,19 +162,22 @@ def torch_worker(status_dir: str, weight_gib: float, seed: int, canary: bool) ->
         if req is not None:
             flip(req["count"], req["bit"])
             extra.update(flips=extra["flips"] + 1, flipped_at=time.time(), flipped=req)
-        if now - last >= STATUS_EVERY_S or req is not None:  # after a flip, the new checksum at once
+        # A sleep waits inside poll until the wake; the stream's synchronize keeps the heartbeat meanwhile.
+        slept = canary and sleeper.poll(lambda: (time.sleep(0.005), torch.cuda.synchronize()))
+        if now - last >= STATUS_EVERY_S or req is not None or slept:  # after a flip or a wake, the new checksum at once
             last = now
             if canary:
-                extra["checksum"] = checksum()
+                extra.update(checksum=checksum(), sleep=sleeper.report)
             write_status(status_dir, kind="torch", steps=steps, step_ms=(now - t0) * 1e3 / steps, dim=d, device=name, **extra)
 
 
 def cpu_worker(status_dir: str, seed: int, canary: bool) -> None:
     print(f"gpu-idle worker {os.getpid()}: CPU stand-in (dry run)", flush=True)
-    weights = bytearray(random.Random(seed).randbytes(CPU_WEIGHT_BYTES) if canary else b"")
+    store = sleep_module().CpuWeights(bytearray(random.Random(seed).randbytes(CPU_WEIGHT_BYTES) if canary else b""))
+    sleeper = sleep_module().Sleeper(store, status_dir, seed)
 
     def checksum() -> int:
-        return int.from_bytes(hashlib.blake2b(weights, digest_size=8).digest(), "big")
+        return int.from_bytes(hashlib.blake2b(store.data, digest_size=8).digest(), "big")
 
     extra: dict = {"seed": seed}
     if canary:
@@ -173,14 +192,15 @@ def cpu_worker(status_dir: str, seed: int, canary: bool) -> None:
         now = time.monotonic()
         req = take_flip_request(status_dir) if canary else None
         if req is not None:
-            stride = len(weights) // req["count"]
+            stride = store.nbytes // req["count"]
             for i in range(req["count"]):
-                weights[i * stride + stride // 2] ^= 1 << (req["bit"] % 8)
+                store.data[i * stride + stride // 2] ^= 1 << (req["bit"] % 8)
             extra.update(flips=extra["flips"] + 1, flipped_at=time.time(), flipped=req)
-        if now - last >= STATUS_EVERY_S or req is not None:  # after a flip, the new checksum at once
+        slept = canary and sleeper.poll(lambda: time.sleep(0.005))  # a sleep waits inside poll until the wake
+        if now - last >= STATUS_EVERY_S or req is not None or slept:  # after a flip or a wake, the new checksum at once
             last = now
             if canary:
-                extra["checksum"] = checksum()
+                extra.update(checksum=checksum(), sleep=sleeper.report)
             write_status(status_dir, kind="cpu", steps=steps, **extra)
 
 

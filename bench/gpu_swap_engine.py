@@ -27,6 +27,14 @@ greedy answers mix in the worker's weights checksum, FAKE_VLLM_ANSWER_SALT_DIR)
 goes through the same core. The coupler's freezes and thaws are one line each
 in the engine's output (the daemon's log).
 
+Sleep mode, as vLLM's: started with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 (in the model's
+extra_args and env), the double's /sleep, /wake_up and /collective_rpc reload_weights are passed to the
+worker (FAKE_VLLM_SLEEP_WORKER_DIR: the status dir), which moves its real weights to pinned host memory
+and back, or drops them and reloads them from a file (bench/gpu_sleep_worker.py); the double answers once
+the worker has. The double's --fake-wake-corrupts and --fake-sleep-residual-growth-mib reach the worker
+(flipped weights after the copy back; MiB kept on the device per sleep). While asleep the worker polls
+for the wake and keeps the heartbeat, so the coupler leaves the core running.
+
 Invoked by the engine python gpu_swap.py writes, as gpu_engine_standin.py is:
 `-m vllm.entrypoints.openai.api_server ARGS` starts the engine; `--worker` and
 `--coupler PID` are its children; anything else is the daemon's version probe.
@@ -55,6 +63,7 @@ from r3090d import procstat  # noqa: E402
 COUPLER_POLL_S = 0.005
 STALL_S = 0.25  # a 15 GiB step takes about 4 ms on an H200; a quarter second without one is a lock
 CORE_COMM = "fake-EngineCore"
+SLEEP_WORKER_ENV = "FAKE_VLLM_SLEEP_WORKER_DIR"  # tests/fakevllm/sleep.py reads it
 _COUNTER = struct.Struct("<Q")
 
 
@@ -186,6 +195,7 @@ def engine_main(args: list[str]) -> int:
     # The double is stdlib-only: -S keeps a real vLLM in site-packages out of its way.
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_IDLE_")}
     env[standin.ANSWER_SALT_ENV] = status_dir
+    env[SLEEP_WORKER_ENV] = status_dir  # /sleep and /wake_up move the worker's weights (gpu_sleep_worker)
     env["PYTHONPATH"] = str(standin.SHIM)
     os.execve(sys.executable, [sys.executable, "-S", *args], env)
     return 127  # not reached

@@ -10,6 +10,7 @@ Protocol: JSON lines. The server writes requests to our stdin:
   {"op": "add", "id": ..., "prompt_tokens": P, "max_tokens": M, "eos_after": N|null}
   {"op": "abort", "id": ...}
   {"op": "config", "token_delay": S}
+  {"op": "hold", "on": bool}   (a pause in keep mode: no steps while on; requests stay where they are)
 and we write to stdout:
   {"t": "ready", "worker_pid": PID}
   {"t": "step", "out": [[id, generated, finish_reason|null], ...], "stats": {...}}
@@ -195,6 +196,7 @@ class Core:
         self.token_delay = opts.token_delay
         self.next_step = 0.0
         self.buffer = b""
+        self.held = False
 
     def emit(self, message: dict) -> bool:
         try:
@@ -213,6 +215,9 @@ class Core:
             self.sched.abort(str(message["id"]))
         elif op == "config":
             self.token_delay = float(message.get("token_delay", self.token_delay))
+        elif op == "hold":
+            self.held = bool(message.get("on"))
+            self.next_step = time.monotonic() + self.token_delay
 
     def read_messages(self) -> bool:
         """Reads what the server sent; False once the server has gone."""
@@ -238,7 +243,7 @@ class Core:
             return self.linger_as_orphan()
         while True:
             timeout = None
-            if self.sched.has_work():
+            if self.sched.has_work() and not self.held:
                 timeout = max(0.0, self.next_step - time.monotonic())
             readable, _, _ = select.select([0], [], [], timeout)
             if readable:
@@ -247,7 +252,7 @@ class Core:
                 if not self.emit({"t": "stats", "stats": self.sched.stats()}):
                     return self.linger_as_orphan()
             now = time.monotonic()
-            if self.sched.has_work() and now >= self.next_step:
+            if self.sched.has_work() and not self.held and now >= self.next_step:
                 out = self.sched.step()
                 # Steps keep to a fixed grid, so a late wake-up does not lengthen the period;
                 # after an idle spell (or a wake-up later than a whole step) the grid starts anew.

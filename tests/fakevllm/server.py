@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -65,6 +66,7 @@ def _load_sibling(name: str):
 
 
 prom = _load_sibling("metrics")
+sleepmode = _load_sibling("sleep")
 
 
 def vllm_version() -> str:
@@ -139,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--fake-core-shutdown-wait", type=float, default=5.0, metavar="S")
     f.add_argument("--fake-orphan-linger", type=float, default=120.0, metavar="S")
     f.add_argument("--fake-no-tokenize", action="store_true", help="answer POST /tokenize as an unknown route (404)")
+    sleepmode.add_flags(p)
     return p
 
 
@@ -609,13 +612,13 @@ class Answer:
     are read once, when the request arrives.
     """
 
-    def __init__(self, body: dict, chat: bool, behaviour: Behaviour):
+    def __init__(self, body: dict, chat: bool, behaviour: Behaviour, weights_salt: bytes = b""):
         temperature = body.get("temperature")
         greedy = isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature < 1e-5
         prompt = body.get("messages") if chat else body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # ["text"] is the prompt "text"
-        self.key = hashlib.blake2b(json.dumps(prompt, sort_keys=True).encode() + answer_salt(), digest_size=8).digest() if greedy else None
+        self.key = hashlib.blake2b(json.dumps(prompt, sort_keys=True).encode() + answer_salt() + weights_salt, digest_size=8).digest() if greedy else None
         self.k = None if chat else body.get("logprobs")
         self.as_ids = bool(body.get("return_tokens_as_token_ids"))
         with behaviour.lock:
@@ -666,6 +669,7 @@ class App:
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.engine = Engine(opts, self.events)
         self.behaviour = Behaviour(opts)
+        self.sleep = sleepmode.SleepMode(opts, self.engine, log)
         self.api_key = os.environ.get("VLLM_API_KEY") or None
         self.draining = False
         self.active_lock = threading.Lock()
@@ -727,6 +731,8 @@ class App:
             except OSError as e:
                 return 500, f"cannot read {b.metrics_file}: {e.strerror}\n"
         values = b.values(self.engine)
+        if self.sleep.held:  # held by a pause or a sleep: in vLLM they wait in the scheduler
+            values = dataclasses.replace(values, waiting=values.waiting + self.sleep.held)
         with self.engine.lock:
             return 200, prom.render(
                 model_name=self.opts.served_names[0],
@@ -764,6 +770,7 @@ class App:
             "canary_fault": b.canary_fault,
             "active_streams": self.active_streams,
             "engine_stats": stats,
+            "sleep": self.sleep.state(),
             "api_key_required": self.api_key is not None,
             "unrecognised_args": self.unknown,
         }
@@ -962,6 +969,14 @@ class Handler(BaseHTTPRequestHandler):
                 return
             while app.hung():
                 time.sleep(0.05)  # accept, read, and never answer while hung
+        if sleepmode.handles(path, app.sleep):
+            try:
+                sleepmode.serve(self, path, urlsplit(self.path).query, app.sleep)
+            except BadRequest as e:
+                self._json(e.status, error_body(str(e), e.kind, e.status))
+            except OSError:
+                self.close_connection = True
+            return
         route = self.ROUTES.get(path)
         if route is None:
             self._json(404, {"detail": "Not Found"})
@@ -1046,6 +1061,7 @@ class Handler(BaseHTTPRequestHandler):
             raise BadRequest(f"encoding_format must be 'float' or 'base64', got {encoding!r}.")
         prompt_tokens = sum(len(x) if isinstance(x, list) else count_words(x) for x in inputs)
         # Through the engine as one 1-token step: a frozen core stalls an embedding, a dead one fails it, as in vLLM.
+        app.sleep.wait_admitted()
         app.stream_started()
         try:
             gen = app.engine.submit(prompt_tokens, 1, None)
@@ -1088,7 +1104,8 @@ class Handler(BaseHTTPRequestHandler):
             raise BadRequest(f"logprobs must be a non-negative integer, got {k!r}.")
         if k is not None and k > MAX_LOGPROBS:
             raise BadRequest(f"Requested sample logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}")
-        answer = Answer(body, chat, app.behaviour)
+        app.sleep.wait_admitted()  # a paused or sleeping engine holds new requests
+        answer = Answer(body, chat, app.behaviour, app.sleep.answer_salt())
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else False
         eos_after = None if body.get("ignore_eos") else o.fake_eos_after
