@@ -19,17 +19,16 @@ cycling through:
   SIGKILL of the router                                (the public port's process)
   SIGSTOP of the resident engine's API server          (a hang)
 
-Per fault: what, when (s after READY), the model it hit, the daemon's first line about it
-(its reason) and when it came, and the recovery time: from the fault until that model (for
-the router, the model resident at the fault) answered 200 through the router to a request
-sent after the fault (the bench asks it at once, and again each second until it answers;
-the client keeps asking both models meanwhile, so a recovery may include a swap the client
-asked for). The next fault waits for the recovery. At the end: give-ups (the daemon's "gave
-up:" lines; must be 0), stuck swaps (a swap seen in progress, by `r3090ctl status --json`
-every STATUS_EVERY_S, for longer than STUCK bound: swap.queue_timeout +
-engine.startup_timeout + 60 s, one fault's extra cold start and backoff on top of the
-longest swap the queue waits for; must be 0), the client's requests sent/ok/failed, faults
-recovered/total (must be all).
+Per fault: what, when (s after READY), the model hit, the daemon's first line about it (its
+reason) and when, and the recovery: from the fault until that model (for the router, the
+model resident then) answered 200 through the router to a request sent after the fault (the
+bench asks at once, then each second; the client goes on meanwhile, so a recovery may include
+a swap it asked for). A fault waits for the one before it to recover: a due time already
+past is taken at once. At the end: give-ups (the daemon's "gave up:" lines; must be 0), stuck
+swaps (seen in progress by `r3090ctl status --json`, every STATUS_EVERY_S, for longer than
+swap.queue_timeout + engine.startup_timeout + 60 s: one more cold start and its backoff on top
+of the longest swap the queue waits for; must be 0), the client's requests sent/ok/failed, the
+engine restarts no fault caused, faults recovered/total (must be all).
 
 Exit 0 when all hold; 1 otherwise; 69, in one line, when root, systemd, the CPU vLLM
 (/opt/r3090d-engine/bin/python, --engine-python; `make engine-cpu`) or the model
@@ -66,16 +65,7 @@ if str(ROOT) not in sys.path:
 from bench import benchlib  # noqa: E402
 from bench.bench_swap_cpu import free_port, free_port_pair, toml_text  # noqa: E402
 from bench.benchlib import fmt, say, table  # noqa: E402
-from tests.e2e.conftest import (  # noqa: E402
-    LOG_DIR,
-    SYSTEMD_LOCK,
-    TEST_ROOT,
-    Unit,
-    _lock,
-    copy_source,
-    make_install,
-    write_public,
-)
+from tests.e2e import conftest as e2e  # noqa: E402
 from tests.e2e.real_vllm import DEFAULT_ENGINE_PYTHON  # noqa: E402
 from tests.e2e.systemd_ns import NamespacedSystemd, unavailable_reason  # noqa: E402
 from tests.waiting import WaitTimeout  # noqa: E402
@@ -83,7 +73,7 @@ from tests.waiting import WaitTimeout  # noqa: E402
 EX_UNAVAILABLE = 69
 DEMO_CONFIG = ROOT / "etc" / "demo-swap.toml"
 UNIT_NAME = "r3090d.service"
-SOAK_DIR = TEST_ROOT / "swap-soak"  # the config and the model copy: the service user reads them
+SOAK_DIR = e2e.TEST_ROOT / "swap-soak"  # the config and the model copy: the service user reads them
 STATE_DIR = Path("/var/lib/r3090d")  # the unit's StateDirectory=, the config's default state_dir
 R3090CTL = "/opt/r3090d/bin/r3090ctl"
 READY_TIMEOUT = 600.0  # the unit's READY: the router up and the first cold start, on 2 loaded cores
@@ -112,7 +102,10 @@ def ask(client: httpx.Client, url: str, model: str) -> Answer:
     body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
     try:
         r = client.post(url + "/v1/completions", json=body)
-        ok, error = r.status_code == 200, "" if r.status_code == 200 else f"HTTP {r.status_code}"
+        ok, error = (
+            r.status_code == 200,
+            "" if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:120]!r}",
+        )
     except httpx.HTTPError as exc:
         ok, error = False, type(exc).__name__
     return Answer(model, sent, time.time(), ok, error)
@@ -129,6 +122,9 @@ class Client:
     def __init__(self, url: str, models: list[str], think: float, queue_timeout: float):
         self.url, self.models, self.think, self.queue_timeout = url, models, think, queue_timeout
         self.answers: list[Answer] = []
+        self.ended_at: float | None = (
+            None  # a request that ends after it was cut by the run's end: not counted
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="client", daemon=True)
 
@@ -146,8 +142,17 @@ class Client:
                 self._stop.wait(self.think if answer.ok else 1.0)
 
     def stop(self) -> None:
+        """Before the unit stops: a request still waiting then ends with the unit, and is left out of the count."""
+        self.ended_at = time.time()
         self._stop.set()
-        self._thread.join(5)  # a request still queued at the router is left to its timeout: daemon thread
+        self._thread.join(5)
+
+    def counted(self) -> list[Answer]:
+        return [a for a in list(self.answers) if self.ended_at is None or a.done <= self.ended_at]
+
+    def cut(self) -> int:
+        """Requests sent before the end and not answered by then (one at most: the client asks one at a time)."""
+        return int(self._thread.is_alive() or len(self.answers) > len(self.counted()))
 
 
 # ------------------------------------------------------------------ the service
@@ -156,7 +161,7 @@ class Client:
 class Service:
     """The unit under the namespaced systemd: its state file, its status, its log, and host pids of its processes."""
 
-    def __init__(self, ns: NamespacedSystemd, unit: Unit, config: Path):
+    def __init__(self, ns: NamespacedSystemd, unit: e2e.Unit, config: Path):
         self.ns, self.unit, self.config = ns, unit, config
 
     def state(self) -> dict:
@@ -278,6 +283,7 @@ class Outcome:
     after_ready: float  # s after the unit's READY
     reason: str = "-"
     detected: float | None = None
+    line_at: float | None = None  # the daemon's line's wall clock
     recovered: float | None = None  # s from the fault until the model answered through the router
     probes: int = 0  # the bench's requests until then
 
@@ -371,11 +377,10 @@ def write_config(python: str, model: Path) -> tuple[Path, dict]:
     for m in doc["models"]:
         m["model"] = str(model)
     doc["swap"]["engine_port_base"] = free_port_pair()
-    doc["daemon"] = {
-        "exporter_port": free_port()
-    }  # state_dir and runtime_dir: the defaults, the unit's directories
+    # state_dir and runtime_dir: the defaults, the unit's directories.
+    doc["daemon"] = {"exporter_port": free_port()}
     doc["alerts"] = {"syslog": {"enabled": False}}
-    return write_public(SOAK_DIR / "r3090d.toml", toml_text(doc)), doc
+    return e2e.write_public(SOAK_DIR / "r3090d.toml", toml_text(doc)), doc
 
 
 def soak(svc: Service, client: Client, url: str, ready_at: float, duration: float, interval: float, queue_timeout: float,
@@ -387,24 +392,17 @@ def soak(svc: Service, client: Client, url: str, ready_at: float, duration: floa
         while time.time() < due:
             time.sleep(0.2)
         target = wait_target(svc, fault)
-        if target is None:
-            say(f"fault {n + 1}: {fault.name}: nothing to hit within {TARGET_WAIT:.0f} s")
-            outcomes.append(
-                Outcome(
-                    fault.name,
-                    "-",
-                    time.time(),
-                    time.time() - ready_at,
-                    reason=f"not injected: nothing to hit in {TARGET_WAIT:.0f} s",
-                )
-            )
-            continue
         t_fault = time.time()
         try:
+            if target is None:
+                raise ValueError(f"nothing to hit within {TARGET_WAIT:.0f} s")
             fault.inject(target)
-        except (OSError, psutil.Error, ValueError) as exc:  # it ended just before: another go next interval
+        # Not injected (nothing to hit, or it ended just before): it counts as not recovered.
+        except (OSError, psutil.Error, ValueError) as exc:
+            say(f"fault {n + 1}: {fault.name}: not injected: {exc}")
+            model = target.model if target else "-"
             outcomes.append(
-                Outcome(fault.name, target.model, t_fault, t_fault - ready_at, reason=f"not injected: {exc}")
+                Outcome(fault.name, model, t_fault, t_fault - ready_at, reason=f"not injected: {exc}")
             )
             continue
         outcome = Outcome(fault.name, target.model, t_fault, t_fault - ready_at)
@@ -415,7 +413,7 @@ def soak(svc: Service, client: Client, url: str, ready_at: float, duration: floa
         recover(svc, client, url, target.model, t_fault, queue_timeout, outcome)
         line = daemon_line(svc, fault, target, t_fault)
         if line is not None:
-            outcome.reason, outcome.detected = line.message, line.at - t_fault
+            outcome.reason, outcome.detected, outcome.line_at = line.message, line.at - t_fault, line.at
         say(
             f"fault {n + 1}: {outcome.reason!r} after {fmt(outcome.detected, '.1f')} s; {target.model} served again after {fmt(outcome.recovered, '.1f')} s"
         )
@@ -463,13 +461,13 @@ def main(argv: list[str]) -> int:
         signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum)
     )  # the finally blocks still run
     outcomes: list[Outcome] = []
-    systemd_lock = _lock(SYSTEMD_LOCK, "another namespaced systemd is running")
+    systemd_lock = e2e._lock(e2e.SYSTEMD_LOCK, "another namespaced systemd is running")
     with benchlib.VllmLock():
-        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        e2e.LOG_DIR.mkdir(parents=True, exist_ok=True)
         model = SOAK_DIR / "tiny-qwen2-weights"
         shutil.rmtree(SOAK_DIR, ignore_errors=True)
         shutil.copytree(args.model, model)
-        subprocess.run(["chmod", "-R", "a+rX", str(TEST_ROOT)], check=True)
+        subprocess.run(["chmod", "-R", "a+rX", str(e2e.TEST_ROOT)], check=True)
         config, doc = write_config(args.engine_python, model)
         queue_timeout = float(doc["swap"]["queue_timeout"])
         stuck_bound = queue_timeout + float(doc["engine"]["startup_timeout"]) + 60.0
@@ -480,16 +478,16 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(
                 missing_ok=True
             )
-        ns = NamespacedSystemd(LOG_DIR / "swap-soak-console.log")
+        ns = NamespacedSystemd(e2e.LOG_DIR / "swap-soak-console.log")
         unit = svc = client = watch = None
         try:
             say(f"booting systemd; then make install of {ROOT}")
             ns.boot()
-            code, text = make_install(ns, copy_source())
+            code, text = e2e.make_install(ns, e2e.copy_source())
             if code != 0:
                 print(f"bench_swap_soak: make install failed:\n{text[-3000:]}")
                 return 1
-            unit = Unit(ns, UNIT_NAME, "r3090d-swap-soak.log")
+            unit = e2e.Unit(ns, UNIT_NAME, "r3090d-swap-soak.log")
             unit.reset()
             unit.configure(config)
             svc = Service(ns, unit, config)
@@ -524,7 +522,7 @@ def main(argv: list[str]) -> int:
 def report(args, duration: float, stuck_bound: float, outcomes: list[Outcome], client: Client | None, watch: SwapWatch | None,
            events: list[benchlib.LogEvent], nrestarts: str, left: dict) -> int:  # fmt: skip
     give_ups = [e for e in events if "gave up:" in e.message]
-    answers = client.answers if client is not None else []
+    answers = client.counted() if client is not None else []
     ages = watch.ages if watch is not None else {}
     stuck = {since: v for since, v in ages.items() if v[1] > stuck_bound}
     final = ((watch.last or {}).get("state") or {}) if watch is not None else {}
@@ -538,29 +536,40 @@ def report(args, duration: float, stuck_bound: float, outcomes: list[Outcome], c
     print()
     rows = [(str(i + 1), clock(o.at), f"{o.after_ready:.0f} s", o.fault, o.model, o.reason, f"{fmt(o.detected, '.1f')} s",
              f"{fmt(o.recovered, '.1f')} s") for i, o in enumerate(outcomes)]  # fmt: skip
-    print(
-        table(
-            (
-                "#",
-                "UTC",
-                "after READY",
-                "fault",
-                "model",
-                "the daemon's line",
-                "line after",
-                "served again after",
-            ),
-            rows,
-        )
+    header = (
+        "#",
+        "UTC",
+        "after READY",
+        "fault",
+        "model",
+        "the daemon's line",
+        "line after",
+        "served again after",
     )
+    print(table(header, rows))
     print()
     if recovered:
         times = sorted(o.recovered for o in recovered)
         print(f"recovery (fault -> the model served through the router): median {fmt(benchlib.median(times), '.1f')} s, "
               f"max {times[-1]:.1f} s; by fault: " + "; ".join(
                   f"{f.name} {', '.join(f'{o.recovered:.1f}' for o in recovered if o.fault == f.name) or '-'} s" for f in FAULTS))  # fmt: skip
-    print(f"requests (the client): {len(answers)} sent, {sum(a.ok for a in answers)} ok, {sum(not a.ok for a in answers)} failed"
-          f"{' (' + ', '.join(sorted({a.error for a in answers if not a.ok})) + ')' if any(not a.ok for a in answers) else ''}")  # fmt: skip
+    failed = [a for a in answers if not a.ok]
+    cut = (
+        f"; {client.cut()} waiting at the run's end, cut by the unit's stop, not counted"
+        if client is not None and client.cut()
+        else ""
+    )
+    print(
+        f"requests (the client): {len(answers)} sent, {len(answers) - len(failed)} ok, {len(failed)} failed{cut}"
+    )
+    for a in failed:
+        print(f"  {a.model} sent {clock(a.sent)}, failed {clock(a.done)}: {a.error}")
+    # The daemon's restarts that no fault of the soak caused: a false restart, or a second one a fault brought.
+    caused = {o.line_at for o in outcomes}
+    unprovoked = [e for e in events if "engine restart:" in e.message and e.at not in caused]
+    print(f"engine restarts no fault caused: {len(unprovoked)}")
+    for e in unprovoked:
+        print(f"  {clock(e.at)} {e.message}")
     print(f"swaps (the daemon): {swap.get('total', '-')} ended, {swap.get('failed', '-')} failed, {swap.get('abandoned', '-')} abandoned; "
           f"router restarts {(swap.get('router') or {}).get('restarts', '-')}; unit NRestarts {nrestarts}")  # fmt: skip
     longest = max(ages.values(), key=lambda v: v[1]) if ages else None
