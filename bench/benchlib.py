@@ -127,6 +127,17 @@ class LogEvent:
     message: str
 
 
+def log_events(text: str) -> list[LogEvent]:
+    """The daemon's own lines in its output (not vLLM's, which it relays), with their wall-clock times."""
+    out = []
+    for line in text.splitlines():
+        m = _LOG_LINE.match(line)
+        if m and not m.group(3).startswith("r3090d.engine.vllm"):
+            at = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            out.append(LogEvent(at, m.group(2), m.group(3), m.group(4)))
+    return out
+
+
 class Daemon:
     """`python -m r3090d --config F` in a subprocess, logging to a file.
 
@@ -172,13 +183,7 @@ class Daemon:
 
     def events(self) -> list[LogEvent]:
         """The daemon's own log lines (not vLLM's, which it relays), with their wall-clock times."""
-        out = []
-        for line in self.log_text().splitlines():
-            m = _LOG_LINE.match(line)
-            if m and not m.group(3).startswith("r3090d.engine.vllm"):
-                at = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-                out.append(LogEvent(at, m.group(2), m.group(3), m.group(4)))
-        return out
+        return log_events(self.log_text())
 
     def first_event(self, prefix: str, after: float = 0.0) -> LogEvent | None:
         # Log stamps are whole milliseconds: allow one below `after`.

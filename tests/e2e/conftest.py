@@ -70,8 +70,7 @@ def systemd_ns():
             print("systemd did not power off in time and was killed", file=sys.stderr)
 
 
-@pytest.fixture(scope="session")
-def ns_source() -> Path:
+def copy_source() -> Path:
     """The checkout's files under TEST_ROOT, where the namespace and the service user see them.
 
     The checkout itself may be under /tmp or /var/tmp (private tmpfs in the
@@ -88,13 +87,24 @@ def ns_source() -> Path:
     return NS_SOURCE
 
 
+def make_install(ns: NamespacedSystemd, source: Path) -> tuple[int, str]:
+    """`make install` of `source`, run inside the namespace so that its daemon-reload reaches that systemd:
+    its exit status and output."""
+    out = ns.nsenter(["make", "-C", str(source), "install"], timeout=900, check=False)
+    return out.returncode, out.stdout + out.stderr
+
+
+@pytest.fixture(scope="session")
+def ns_source() -> Path:
+    return copy_source()
+
+
 @pytest.fixture(scope="session")
 def installed(systemd_ns, ns_source):
     """`make install`, run inside the namespace so that its daemon-reload reaches our systemd."""
     start = time.monotonic()
-    out = systemd_ns.nsenter(["make", "-C", str(ns_source), "install"], timeout=900, check=False)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, f"make install failed:\n{text}"
+    code, text = make_install(systemd_ns, ns_source)
+    assert code == 0, f"make install failed:\n{text}"
     assert "install: systemctl daemon-reload" in text, text
     print(f"make install took {time.monotonic() - start:.1f} s")
     return text
