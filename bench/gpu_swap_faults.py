@@ -23,8 +23,12 @@ checks (expected, observed):
   1 parked kill  the process group of a parked engine is SIGKILLed; its model is
                  then asked for: served again by a cold start, no give-up.
   2 router kill  a parked model is asked for and the router SIGKILLed while the
-                 swap runs: a new router listens within 2 s, the swap completes,
-                 the next request is served (the one the kill cut is reported).
+                 swap brings it in (restoring or checking it): a new router
+                 listens within --router-back s (2), the swap completes, the
+                 next request is served (the one the kill cut is reported). A
+                 router killed earlier, while the outgoing engine drains or
+                 parks, takes the only request for the target along: the daemon
+                 then abandons a swap nobody asks for, as it should.
   3 give-up      C's start file is removed and C asked for: it gives up; A and B
                  keep swapping meanwhile; the file comes back, and once the
                  give-up's automatic retry has made C cold (not started by
@@ -39,7 +43,10 @@ checks (expected, observed):
 Then one line: `verdict: passed: ...` or `verdict: FAILED: ...`. --cpu-standin
 runs it all with CPU workers, tests/fakenvml and tests/fakecuda (gpu_swap's dry
 run), with short defaults (a 20 s load, C every 6 s, a 15 s window, a 4 s
-give-up retry); its times say nothing about a GPU.
+give-up retry, 10 s for the router: python and aiohttp take 1.5-2.5 s to start
+on a loaded 2-core host); about 80 s there; its times say nothing about a GPU.
+A GPU run is estimated (not yet measured) at 6-7 minutes with the defaults:
+the default --budget, 570 s, fits a 10-minute slot.
 
 Progress goes to stderr, the tables to stdout. Exit 0 when every check of every
 phase holds, 1 otherwise, 69 when this host cannot run it.
@@ -72,7 +79,7 @@ START_FAILURES = 2  # watchdog.start_failures: a give-up after two failed starts
 GIVE_UP_MODEL = "C"
 # Phase lengths: a GPU run's and the dry run's (--cpu-standin) defaults.
 DEFAULTS = {"load_seconds": (120.0, 20.0), "third_every": (30.0, 6.0), "window": (60.0, 15.0), "give_up_retry": (30.0, 4.0), "router_back": (2.0, 10.0),
-            "budget": (1800.0, 300.0)}  # fmt: skip
+            "budget": (570.0, 300.0)}  # fmt: skip
 REQUEST_WAIT_S = 330.0  # a load request may wait for swaps: past the router's queue_timeout, it is lost
 NOTICE_WAIT_S = 60.0  # the daemon notices a dead parked engine
 GIVE_UP_WAIT_S = (
@@ -257,12 +264,7 @@ class Faults:
             True,
         )
         rec, q = self.swap_to(victim, f"{victim} after its kill")
-        ph.check(
-            f"the swap to {victim}",
-            "a cold start, ok",
-            self.swap_text(rec),
-            rec is not None and rec.get("ok") and rec.get("cold"),
-        )
+        ph.check(f"the swap to {victim}", "a cold start, ok", self.swap_text(rec), rec is not None and rec.get("ok") and rec.get("cold"))  # fmt: skip
         ph.check(f"the request to {victim}", "served", "served" if q.ok else q.why_not(), q.ok)
         seen = self.watcher.phases_since(MODELS[victim], since)
         given_up = "given-up" in seen or model(self.state(), victim).get("give_up_reason")
@@ -292,12 +294,7 @@ class Faults:
             )
 
         try:
-            stage = wait_until(
-                lambda: (s := self.run.state()) and under_way(s),
-                self.budget.cap(60),
-                what="the swap",
-                interval=0.01,
-            )
+            stage = wait_until(lambda: (s := self.run.state()) and under_way(s), self.budget.cap(60), what="the swap", interval=0.01)  # fmt: skip
         except WaitTimeout:
             raise RuntimeError(
                 f"no swap to {MODELS[target]} under way within 60 s: {self.swap_text(self.record_to(n, target, 'it', 1))}"
@@ -310,12 +307,7 @@ class Faults:
         while not listening(self.run.port) and time.monotonic() - killed < 30:
             time.sleep(0.01)
         back = time.monotonic() - killed
-        ph.check(
-            "a new router listening",
-            f"within {self.args.router_back:g} s",
-            f"after {back:.2f} s",
-            back <= self.args.router_back,
-        )
+        ph.check("a new router listening", f"within {self.args.router_back:g} s", f"after {back:.2f} s", back <= self.args.router_back)  # fmt: skip
         nxt = self.b.ask(target, TOKENS, f"{target} after the router's kill")
         rec = self.record_to(n, target, f"the swap to {MODELS[target]} the router's kill came in")
         ph.check(f"the swap to {target} under way at the kill", "completes, ok", self.swap_text(rec),
@@ -325,28 +317,13 @@ class Faults:
         cut.wait(self.budget.cap(30))
         self.b.requests.remove(cut)  # its connection was the router's: cut by design, not lost
         try:
-            st = self.run.wait(
-                lambda s: router(s).get("linked") and router(s).get("pid") != old and s,
-                30,
-                "the new router linked",
-                self.budget,
-            )
+            st = self.run.wait(lambda s: router(s).get("linked") and router(s).get("pid") != old and s, 30, "the new router linked", self.budget)  # fmt: skip
         except RuntimeError:
             st = self.state()
         ph.check("the router", "a new pid, restarts + 1, linked", f"pid {old} -> {router(st).get('pid')}, restarts {router(st).get('restarts')}, linked {router(st).get('linked')}",
                  router(st).get("pid") not in (None, old) and router(st).get("linked"))  # fmt: skip
-        ph.check(
-            "engine restarts",
-            "none",
-            str(self.engine_restarts(st) - restarts),
-            self.engine_restarts(st) == restarts,
-        )
-        ph.check(
-            "the request the kill cut",
-            "ended (reported only)",
-            "served" if cut.ok else cut.why_not()[:80],
-            True,
-        )
+        ph.check("engine restarts", "none", str(self.engine_restarts(st) - restarts), self.engine_restarts(st) == restarts)  # fmt: skip
+        ph.check("the request the kill cut", "ended (reported only)", "served" if cut.ok else cut.why_not()[:80], True)  # fmt: skip
         self.last_at = (rec or {}).get("at") or self.last_at
 
     def give_up(self, ph: Phase) -> None:
@@ -358,12 +335,7 @@ class Faults:
             # A parked engine resumes, it does not start: its process goes first, as a crash while parked would.
             pid = m["engine"]["pid"]
             os.killpg(os.getpgid(pid), signal.SIGKILL)
-            self.run.wait(
-                lambda s: lost(model(s, x), pid),
-                NOTICE_WAIT_S,
-                f"the daemon to notice {MODELS[x]}'s dead engine",
-                self.budget,
-            )
+            self.run.wait(lambda s: lost(model(s, x), pid), NOTICE_WAIT_S, f"the daemon to notice {MODELS[x]}'s dead engine", self.budget)  # fmt: skip
         self.start_file(x).unlink()
         gi.say(f"  {MODELS[x]}'s starts fail from now on")
         here = resident(self.state())
@@ -406,7 +378,7 @@ class Faults:
         ph.check(f"{x}'s start", "a swap of the arbiter's: from the resident model, cold, ok", self.swap_text(rec),
                  rec is not None and rec.get("ok") and rec.get("cold") and rec.get("from_model") is not None)  # fmt: skip
         ph.check(f"the request to {x}", "served", "served" if q.ok else q.why_not(), q.ok)
-        ph.check("the card", "not deadlocked", f"{x} ready {time.time() - asked:.1f} s after it was asked for; phases since the give-up: "
+        ph.check("the card", "not deadlocked", f"{x} ready {time.time() - asked:.1f} s after it was asked for; its phases: "
                  + " > ".join(dict.fromkeys(self.watcher.phases_since(MODELS[x], since))), q.ok)  # fmt: skip
 
     def under_load(self, ph: Phase) -> None:
@@ -463,18 +435,8 @@ class Faults:
             ph.check(f"{letter} served while asked", f"no {self.args.window:g} s without one served",
                      f"{len(served)} served; longest while asked without one: {starved:.1f} s", served and starved < self.args.window)  # fmt: skip
         st = self.state()
-        ph.check(
-            "engine restarts",
-            "none",
-            str(self.engine_restarts(st) - restarts),
-            self.engine_restarts(st) == restarts,
-        )
-        ph.check(
-            "swaps",
-            "(reported only)",
-            f"{((st.get('swap') or {}).get('total') or 0) - swaps_before} during the load",
-            True,
-        )
+        ph.check("engine restarts", "none", str(self.engine_restarts(st) - restarts), self.engine_restarts(st) == restarts)  # fmt: skip
+        ph.check("swaps", "(reported only)", f"{((st.get('swap') or {}).get('total') or 0) - swaps_before} during the load", True)  # fmt: skip
 
     @staticmethod
     def engine_restarts(st: dict) -> int:
@@ -545,20 +507,10 @@ def report(f: Faults, rig: gs.Rig, failure: str) -> int:
         print(
             f"\nphase {i}: {ph.name}: {'ok' if ph.ok else 'FAILED'}" + (f" ({ph.error})" if ph.error else "")
         )
-        print(
-            gi.table(
-                ["check", "expected", "observed", "ok"],
-                [[c.what, c.expected, c.observed, "yes" if c.ok else "NO"] for c in ph.checks],
-            )
-        )
+        print(gi.table(["check", "expected", "observed", "ok"], [[c.what, c.expected, c.observed, "yes" if c.ok else "NO"] for c in ph.checks]))  # fmt: skip
         if ph.name == "load" and f.load:
             print()
-            print(
-                gi.table(
-                    ["model", "sent", "served", "median wait", "max wait", "longest unserved while asked"],
-                    f.load,
-                )
-            )
+            print(gi.table(["model", "sent", "served", "median wait", "max wait", "longest unserved while asked"], f.load))  # fmt: skip
     st = f.watcher.latest() or (f.run.state() or {})
     swap = st.get("swap") or {}
     measures = {**rig.measures, "swaps (daemon)": f"total {swap.get('total')}, failed {swap.get('failed')}, abandoned {swap.get('abandoned')}",
@@ -582,60 +534,36 @@ def report(f: Faults, rig: gs.Rig, failure: str) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--weight-gib",
-        type=float,
-        default=15.0,
-        help="GiB of bf16 weights each engine's worker holds (default 15)",
-    )
+    parser.add_argument("--weight-gib", type=float, default=15.0, help="GiB of bf16 weights each engine's worker holds (default 15)")  # fmt: skip
     parser.add_argument(
         "--token-delay", type=float, default=0.01, help="the double's seconds per token (default 0.01)"
     )
     parser.add_argument(
         "--load-seconds", type=float, help="the load phase's length (default 120; dry run 20)"
     )
-    parser.add_argument(
-        "--third-every",
-        type=float,
-        help="the load phase's one request to C every this many s (default 30; dry run 6)",
-    )
-    parser.add_argument(
-        "--window",
-        type=float,
-        help="no model asked for this long without one served (default 60; dry run 15)",
-    )
+    parser.add_argument("--third-every", type=float, help="the load phase's one request to C every this many s (default 30; dry run 6)")  # fmt: skip
+    parser.add_argument("--window", type=float, help="no model asked for this long without one served (default 60; dry run 15)")  # fmt: skip
     parser.add_argument("--give-up-retry", type=float, help="watchdog.give_up_retry (default 30; dry run 4)")
-    parser.add_argument(
-        "--router-back",
-        type=float,
-        help="a killed router: a new one listens within this (default 2; dry run 10)",
-    )
+    parser.add_argument("--router-back", type=float, help="a killed router: a new one listens within this (default 2; dry run 10)")  # fmt: skip
     parser.add_argument("--gpu", type=int, default=0, help="NVML index of the GPU (default 0)")
-    parser.add_argument("--budget", type=float, help="seconds for the whole run (default 1800; dry run 300)")
-    parser.add_argument(
-        "--cpu-standin",
-        action="store_true",
-        help="dry run without a GPU: CPU workers, fake NVML and checkpoint driver",
-    )
+    parser.add_argument("--budget", type=float, help="seconds for the whole run (default 570; dry run 300)")
+    parser.add_argument("--cpu-standin", action="store_true", help="dry run without a GPU: CPU workers, fake NVML and checkpoint driver")  # fmt: skip
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (config, logs)")
     args = parser.parse_args()
     for name, (gpu, dry) in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, dry if args.cpu_standin else gpu)
-    if (
-        min(
-            args.weight_gib,
-            args.token_delay,
-            args.load_seconds,
-            args.third_every,
-            args.window,
-            args.give_up_retry,
-        )
-        <= 0
-    ):
-        parser.error(
-            "--weight-gib, --token-delay, --load-seconds, --third-every, --window, --give-up-retry and --router-back must be positive"
-        )
+    numbers = (
+        "weight_gib",
+        "token_delay",
+        "load_seconds",
+        "third_every",
+        "window",
+        "give_up_retry",
+        "router_back",
+    )
+    if min(getattr(args, name) for name in numbers) <= 0:
+        parser.error(f"{', '.join('--' + n.replace('_', '-') for n in numbers)}: each must be positive")
     return gi.run_cleanly("gpu_swap_faults", "r3090d-gpu-swap-faults-", bench, args)
 
 
