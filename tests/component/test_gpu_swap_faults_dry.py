@@ -40,3 +40,31 @@ def test_the_swap_faults_bench_passes_its_dry_run():
             line.startswith("phase ") and phase in line and line.endswith(": ok")
             for line in r.stdout.splitlines()
         ), shown
+
+
+class Asked:
+    """A request as longest_unserved reads it: sent, ended, served or not."""
+
+    def __init__(self, sent_at: float, ended_at: float, ok: bool = True):
+        self.sent_at, self.ended_at, self.ok, self.finished = sent_at, ended_at, ok, True
+
+
+@pytest.mark.parametrize(
+    ("requests", "longest"),
+    [
+        (
+            [Asked(0, 3), Asked(1, 5), Asked(10, 12)],
+            3.0,
+        ),  # asked 0-5 (served at 3 and 5), then 10-12: the first wait
+        (
+            [Asked(0, 2), Asked(1, 40, ok=False), Asked(30, 41)],
+            39.0,
+        ),  # a failure serves nothing: from 2 to 41
+        ([Asked(0, 70, ok=False)], 70.0),  # asked all along, never served
+        ([Asked(0, 1), Asked(100, 101)], 1.0),  # not asked between: no starvation there
+    ],  # fmt: skip
+)
+def test_the_longest_stretch_asked_without_one_served(requests, longest):
+    from bench.gpu_swap_faults import longest_unserved
+
+    assert longest_unserved(requests) == pytest.approx(longest)
