@@ -839,7 +839,7 @@ def check_deps() -> None:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class Rig:
     """What a swap-mode bench runs on: the daemon (not started yet), its watcher, the time budget, and the measures
     of the host (card, driver, ballast, engines) for the report."""
