@@ -59,7 +59,7 @@ test-deps:
 
 # The GPU benchmarks run where there is an NVIDIA GPU; elsewhere they say why in one line (exit 69).
 # So does a benchmark that needs the real CPU vLLM where it is not installed.
-GPU_BENCH = bench/gpu_idle.py bench/gpu_suspend_daemon.py bench/gpu_swap.py
+GPU_BENCH = bench/gpu_idle.py bench/gpu_suspend_daemon.py bench/gpu_swap.py bench/gpu_swap_faults.py
 bench: $(DEV_STAMP)
 	@for b in bench/bench_*.py $(GPU_BENCH); do echo "== $$b"; $(PYTHON) $$b; rc=$$?; [ $$rc = 0 ] || [ $$rc = 69 ] || exit $$rc; done
 

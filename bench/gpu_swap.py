@@ -388,7 +388,11 @@ class SwapRun(gi.DaemonRun):
         engine_python: Path,
         status_dirs: dict[str, Path],
         total_mib: int,
+        overrides: dict[str, dict] | None = None,
+        model_args: dict[str, list[str]] | None = None,
     ):
+        """`overrides`: config tables merged over this bench's (a bench of faults sets the watchdog's give-up);
+        `model_args`: more extra_args for a model, by letter."""
         self.dir = base / "daemon"
         self.dir.mkdir(mode=0o700)
         self.poll = WATCHDOG_POLL_S
@@ -420,6 +424,7 @@ class SwapRun(gi.DaemonRun):
                 f"{args.token_delay:g}",
                 "--gpu-memory-utilization",
                 f"{self.gpu_memory_utilization:g}",
+                *(model_args or {}).get(letter, []),
             ]
             env_table = {"GPU_IDLE_STATUS_DIR": str(status_dirs[letter]), "GPU_IDLE_SEED": str(SEEDS[letter])}
             lines += ["", "[[models]]", f"name = {q(name)}", f"model = {q(str(model))}", f"extra_args = {q(extra)}",
@@ -434,6 +439,8 @@ class SwapRun(gi.DaemonRun):
             "daemon": {"state_dir": str(self.dir / "state"), "runtime_dir": str(self.dir / "run"), "exporter_enabled": True,
                        "exporter_host": "127.0.0.1", "exporter_port": exporter_port},
         }  # fmt: skip
+        for name, values in (overrides or {}).items():
+            sections[name] = {**sections.get(name, {}), **values}
         for name, values in sections.items():
             lines += ["", f"[{name}]", *(f"{k} = {q(v)}" for k, v in values.items())]
         self.config = self.dir / "r3090d.toml"
@@ -524,6 +531,10 @@ class Watcher:
                     p for m in st.get("models") or [] if (p := (m.get("engine") or {}).get("pid"))
                 )
                 self.most_restarts = max(self.most_restarts, restarts_total(st))
+                self.observe(st)
+
+    def observe(self, st: dict) -> None:
+        """Each document read, under the lock: a bench that follows more of it (phases, the router) adds it here."""
 
     def latest(self) -> dict:
         with self.lock:
@@ -828,7 +839,34 @@ def check_deps() -> None:
         )
 
 
-def bench(args, base: Path, cleanup: list[Callable[[], None]]) -> int:
+@dataclass(frozen=True)
+class Rig:
+    """What a swap-mode bench runs on: the daemon (not started yet), its watcher, the time budget, and the measures
+    of the host (card, driver, ballast, engines) for the report."""
+
+    run: SwapRun
+    watcher: Watcher
+    budget: gi.Budget
+    measures: dict[str, str]
+    status_dirs: dict[str, Path]
+
+    def start(self) -> None:
+        """The daemon, until its router is linked; then the watcher."""
+        self.run.start()
+        self.run.wait(
+            lambda st: (st.get("swap") or {}).get("router", {}).get("linked"),
+            120,
+            "the router, linked",
+            self.budget,
+        )
+        self.watcher.start()
+
+
+def prepare(args, base: Path, cleanup: list[Callable[[], None]], plan: str, *, overrides: dict[str, dict] | None = None,
+            model_args: dict[str, list[str]] | None = None, watcher: type[Watcher] = Watcher) -> Rig:  # fmt: skip
+    """The card (the fake one with --cpu-standin), the ballast, the engine python and the daemon's config: a rig whose
+    daemon is not started yet. Raises gi.Unavailable when this host cannot run it. `plan`: the run, in words, for the
+    first progress line; `overrides`, `model_args`: see SwapRun; `watcher`: Watcher or a subclass."""
     dry = args.cpu_standin
     status_dirs = {letter: base / f"workers-{letter}" for letter in MODELS}
     for d in status_dirs.values():
@@ -861,10 +899,8 @@ def bench(args, base: Path, cleanup: list[Callable[[], None]]) -> int:
     poller = gi.NvmlPoller(nvml, args.gpu)  # readings on demand
     total_mib = nvml.nvmlDeviceGetMemoryInfo(poller.handle).total // MIB
     budget = gi.Budget(args.budget)
-    seq = sequence(args.pattern, args.swaps)
-    kinds = overlaps(seq)
     gi.say(f"GPU {args.gpu}: {gpu}, {total_mib} MiB; {driver}; weights {args.weight_gib:g} GiB per engine; "
-           f"sequence {', '.join(seq)}; budget {args.budget:.0f} s")  # fmt: skip
+           f"{plan}; budget {args.budget:.0f} s")  # fmt: skip
     for note in notes:
         gi.say(note)
     foreign = poller.processes()
@@ -885,11 +921,11 @@ def bench(args, base: Path, cleanup: list[Callable[[], None]]) -> int:
         gi.say(f"ballast: {measures['ballast']}")
 
     engine_python = write_engine_python(base, args)
-    run = SwapRun(base, args, env, engine_python, status_dirs, total_mib)
-    watcher = Watcher(run)
-    cleanup.append(lambda: kill_engines(base, watcher, status_dirs))
+    run = SwapRun(base, args, env, engine_python, status_dirs, total_mib, overrides, model_args)
+    watching = watcher(run)
+    cleanup.append(lambda: kill_engines(base, watching, status_dirs))
     cleanup.append(run.stop)
-    cleanup.append(watcher.stop)
+    cleanup.append(watching.stop)
     worker = (
         "CPU workers (dry run)"
         if dry
@@ -899,17 +935,17 @@ def bench(args, base: Path, cleanup: list[Callable[[], None]]) -> int:
         f"3: {worker}; token delay {args.token_delay:g} s; swap.host_memory_budget_mib {run.host_budget_mib}"
     )
     gi.say(f"daemon: config {run.config}, router {run.url}, exporter {run.exporter_url}")
-    b = Bench(args, run, watcher, budget)
+    return Rig(run, watching, budget, measures, status_dirs)
+
+
+def bench(args, base: Path, cleanup: list[Callable[[], None]]) -> int:
+    seq = sequence(args.pattern, args.swaps)
+    kinds = overlaps(seq)
+    rig = prepare(args, base, cleanup, f"sequence {', '.join(seq)}")
+    b = Bench(args, rig.run, rig.watcher, rig.budget)
     failure = ""
     try:
-        run.start()
-        run.wait(
-            lambda st: (st.get("swap") or {}).get("router", {}).get("linked"),
-            120,
-            "the router, linked",
-            budget,
-        )
-        watcher.start()
+        rig.start()
         last_at = b.warm_up()
         b.swaps(seq, kinds, last_at)
         b.wait_quiet()
@@ -919,7 +955,7 @@ def bench(args, base: Path, cleanup: list[Callable[[], None]]) -> int:
     except RuntimeError as exc:
         gi.say(f"error: {exc}")
         failure = str(exc).splitlines()[0]
-    return finish(args, b, measures, failure)
+    return finish(args, b, rig.measures, failure)
 
 
 def finish(args, b: Bench, measures: dict[str, str], failure: str) -> int:
