@@ -219,7 +219,9 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
             w = replace(w, probe_failures=w.probe_failures + 1, probe_due_at=inf.finished_at)  # retry at once
             if w.probe_failures >= wd.probe_failures:
                 excused = f"; {w.probe_excused} missed while the engine computed on a saturated host, retried" if w.probe_excused else ""
-                return w, RestartVerdict(RestartReason.PROBE_FAILED, f"{w.probe_failures} inference probes failed with nothing moving ({inf.detail}){excused}", drain=False)
+                facts = probetime.miss_facts(snap.host_load, w.probe_cpu_before, snap.child.cpu_seconds, now) if inf.timed_out else ""
+                facts = f" ({facts})" if facts else ""
+                return w, RestartVerdict(RestartReason.PROBE_FAILED, f"{w.probe_failures} inference probes failed with nothing moving ({inf.detail}){excused}{facts}", drain=False)
 
     # KV cache: low free blocks for K consecutive polls.
     if eng.free_blocks is not None and eng.free_blocks < wd.min_free_blocks:

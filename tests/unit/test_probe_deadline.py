@@ -76,6 +76,8 @@ def misses_until_restart(
     [
         # Starved, not frozen: the engine computes on a saturated host. Retried, not counted, up to the cap.
         (SATURATED, BUSY, True, PROBE_FAILURES + EXCUSED_MISSES_MAX),
+        # Under a thread's fair share at load 10 on 2 CPUs (0.2): starved, still computing.
+        (HostLoad(load_1m=10.0, cores=2), 0.15, True, PROBE_FAILURES + EXCUSED_MISSES_MAX),
         # The host is saturated but the engine does nothing with its CPU: frozen, counted as ever.
         (SATURATED, IDLE_CPU, True, PROBE_FAILURES),
         # The engine burns CPU on a host with CPUs to spare: a spinning freeze, counted.
@@ -86,7 +88,15 @@ def misses_until_restart(
         # An answer that is an error is no missed deadline: no load excuses it.
         (SATURATED, BUSY, False, PROBE_FAILURES),
     ],
-    ids=["saturated+busy", "saturated+idle-cpu", "calm+busy", "load-unknown", "cpu-unknown", "error-answer"],
+    ids=[
+        "saturated+busy",
+        "load-10+fair-share",
+        "saturated+idle-cpu",
+        "calm+busy",
+        "load-unknown",
+        "cpu-unknown",
+        "error-answer",
+    ],
 )
 def test_a_missed_deadline_counts_unless_the_engine_computes_on_a_saturated_host(
     load, cpu_rate, timed_out, misses
@@ -123,3 +133,8 @@ def test_the_deadline_is_the_larger_of_the_timeout_and_a_multiple_of_recent_answ
     configured, answers, deadline
 ):
     assert learned_probe_timeout(configured, answers) == pytest.approx(deadline)
+
+
+def test_a_counted_miss_says_what_the_starved_host_rule_saw():
+    _, records = misses_until_restart(SATURATED, IDLE_CPU)
+    assert "(host load 3.6 on 2 CPUs, the engine used 0.01 of a CPU during the probe)" in records[0].detail
