@@ -172,7 +172,11 @@ class Bursts:
 
 
 class CpuHog:
-    """`n` processes spinning on a CPU each: other work that the engine shares the host's CPUs with."""
+    """`n` processes spinning on a CPU each: other work that the engine shares the host's CPUs with.
+
+    Each in a session of its own, as other services and users are: with the kernel's autogroup
+    scheduling (sched_autogroup_enabled) the hogs of one session would share one group's CPU
+    time against the engine's (the engine's tree has its own session), and take at most half."""
 
     def __init__(self, n: int):
         self.n = n
@@ -180,7 +184,7 @@ class CpuHog:
 
     def start(self) -> CpuHog:
         benchlib.kill_on_exit(self.stop)
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(self.n)]
         return self
 
     def stop(self) -> None:
