@@ -1,7 +1,10 @@
 """False restarts under honest load: the shipped watchdog settings against the engine-bound CPU vLLM.
 
 Opt-in (5 runs of 10 minutes plus a vLLM start each): R3090D_BENCH_LONG=1 python bench/bench_false_restarts.py
-R3090D_BENCH_MINUTES=N (or --minutes N) shortens each run; --scenario NAME runs one.
+R3090D_BENCH_MINUTES=N (or --minutes N) shortens each run; --scenario NAME runs one;
+--cpu-hog N adds N processes that each spin on a CPU from the engine's readiness to the
+run's end: other work on the machine, so the host's CPUs are saturated (load above
+their count) and the engine and its probe wait their turn.
 
 Each run starts a fresh daemon on the engine-bound tiny model (tests/e2e/real_vllm.py,
 ENGINE_BOUND_ARGS: decodes about 55 tokens/s on 2 cores, so requests stay in the
@@ -22,7 +25,8 @@ Per run: restarts (must be 0), requests finished/cancelled/failed, inference pro
 the last engine's counters, should a restart have replaced it),
 preemptions, the longest stretch with requests running and no progress (generation
 tokens, prompt tokens or KV usage unchanged; sampled from the state file every tick)
-and the slowest probe answer, against stall_seconds and probe_timeout.
+and the slowest probe answer, against stall_seconds and probe_timeout; the highest
+1-minute load average seen.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import threading
@@ -166,6 +171,29 @@ class Bursts:
         self._thread.join(5.0)
 
 
+class CpuHog:
+    """`n` processes spinning on a CPU each: other work that the engine shares the host's CPUs with.
+
+    Each in a session of its own, as other services and users are: with the kernel's autogroup
+    scheduling (sched_autogroup_enabled) the hogs of one session would share one group's CPU
+    time against the engine's (the engine's tree has its own session), and take at most half."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> CpuHog:
+        benchlib.kill_on_exit(self.stop)
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(self.n)]
+        return self
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.wait(5)
+
+
 def random_prompt(rng: random.Random, n: int) -> list[int]:
     # Token ids, so the length is exact; random, so the prefix cache saves no prefill.
     return [rng.randrange(VOCAB) for _ in range(n)]
@@ -223,12 +251,14 @@ class Watch:
     slowest_probe: float = 0.0
     probe_failures: int = 0
     alerts: set[str] = field(default_factory=set)
+    max_load: float = 0.0  # the 1-minute load average
 
 
 def watch_state(d: Daemon, stop: threading.Event, w: Watch) -> None:
     last_written, mark, mark_at = None, None, None
     seen_probe = None
     while not stop.wait(0.25):
+        w.max_load = max(w.max_load, os.getloadavg()[0])
         st = d.state()
         if st is None or st.get("written_at") == last_written:
             continue
@@ -270,7 +300,7 @@ class Result:
     ready_s: float
 
 
-def run(sc: Scenario, minutes: float, step_tokens: int, tmp: Path) -> Result:
+def run(sc: Scenario, minutes: float, step_tokens: int, tmp: Path, hog: int = 0) -> Result:
     step = ["--max-num-batched-tokens", str(step_tokens)] if step_tokens else []
     overrides = {"profiles": {"realtime": sc.profile}} if sc.profile else None
     config = benchlib.real_config(tmp, extra_args=[*step, *sc.extra_args], overrides=overrides)
@@ -279,13 +309,14 @@ def run(sc: Scenario, minutes: float, step_tokens: int, tmp: Path) -> Result:
     cfg = configmod.load(config, check_files=False)
     profile = cfg.active_profile
     d = Daemon(config, tmp / "daemon.log").start()
-    load, stop, w = None, threading.Event(), Watch()
+    load, stop, w, hogs = None, threading.Event(), Watch(), CpuHog(hog)
     watcher = threading.Thread(target=watch_state, args=(d, stop, w), daemon=True)
     try:
         t0 = time.monotonic()
         st = d.wait_ready(600)
         ready_s = time.monotonic() - t0
-        say(f"{sc.name}: engine ready in {ready_s:.0f} s; {minutes:g} min of load")
+        say(f"{sc.name}: engine ready in {ready_s:.0f} s; {minutes:g} min of load" + (f", {hog} CPU hog(s)" if hog else ""))
+        hogs.start()
         watcher.start()
         load = sc.load(d, profile.max_model_len, profile.max_num_seqs)
         if load is not None:
@@ -306,6 +337,7 @@ def run(sc: Scenario, minutes: float, step_tokens: int, tmp: Path) -> Result:
         st = d.state() or st
         restarts = [f"{time.strftime('%H:%M:%S', time.localtime(e.at))} {e.message}" for e in d.events() if e.message.startswith("engine restart:")]
     finally:
+        hogs.stop()
         if load is not None:
             load.stop()
         stop.set()
@@ -331,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--minutes", type=float, default=float(os.environ.get(MINUTES_ENV) or 10), help=f"per run (default ${MINUTES_ENV} or 10)")
     cli.add_argument("--step-tokens", type=int, default=STEP_TOKENS, help=f"vLLM's --max-num-batched-tokens (default {STEP_TOKENS}; 0: vLLM's own)")
     cli.add_argument("--scenario", choices=[s.name for s in SCENARIOS], action="append", help="run only this one (repeatable)")
+    cli.add_argument("--cpu-hog", type=int, default=0, metavar="N", help="N processes spinning on a CPU each during every run (default 0)")
     args = cli.parse_args(argv)
     benchlib.exit_on_sigterm()
     if benchlib.skipped_long_real("bench_false_restarts", f"{len(SCENARIOS)} runs of {args.minutes:g} min on the real vLLM"):
@@ -342,10 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         for k, sc in enumerate(chosen):
             where = tmp / f"run{k}"
             where.mkdir()
-            results.append(run(sc, args.minutes, args.step_tokens, where))
+            results.append(run(sc, args.minutes, args.step_tokens, where, args.cpu_hog))
         wd = benchlib.watchdog_of(benchlib.real_config(tmp))
     step = f"--max-num-batched-tokens {args.step_tokens}" if args.step_tokens else "vLLM's own step budget"
-    print(f"false restarts on the engine-bound CPU vLLM ({step}), shipped watchdog settings ({benchlib.describe_watchdog(wd)}):")
+    hog = f", {args.cpu_hog} CPU hog(s) on {len(os.sched_getaffinity(0))} CPUs" if args.cpu_hog else ""
+    print(f"false restarts on the engine-bound CPU vLLM ({step}{hog}), shipped watchdog settings ({benchlib.describe_watchdog(wd)}):")
     rows = []
     for r in results:
         w = r.watch
@@ -353,12 +387,12 @@ def main(argv: list[str] | None = None) -> int:
             r.name, f"{r.minutes:g}", str(r.restarts), ",".join(f"{k}:{v}" for k, v in r.reasons.items()) or "-",
             f"{r.finished}/{r.cancelled}/{r.failed}", f"{r.requests:.0f}", f"{r.probes:.0f}", f"{r.probes / r.minutes:.1f}",
             f"{r.preemptions:.0f}", f"{w.max_running:.0f}/{w.max_waiting:.0f}", fmt(w.min_free_blocks, ".0f"),
-            f"{w.longest_quiet:.1f}", f"{w.slowest_probe:.2f}", str(w.probe_failures), ",".join(sorted(w.alerts)) or "-",
+            f"{w.longest_quiet:.1f}", f"{w.slowest_probe:.2f}", str(w.probe_failures), f"{w.max_load:.1f}", ",".join(sorted(w.alerts)) or "-",
         ])  # fmt: skip
     print(benchlib.table(
         ["scenario", "min", "restarts", "by reason", "load done/cancel/fail", "vLLM requests", "probes", "probes/min",
          "preemptions", "max run/wait", "min free blk", f"longest quiet s (stall {wd.stall_seconds:g})",
-         f"slowest probe s (timeout {wd.probe_timeout:g})", "probe fails", "alerts firing"],
+         f"slowest probe s (timeout {wd.probe_timeout:g})", "probe fails", "max load 1m", "alerts firing"],
         rows,
     ))  # fmt: skip
     if any(r.minutes * 60 < wd.kv_cooldown for r in results):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from r3090d.config.schema import Config
+from r3090d.core import probetime
 from r3090d.core.snapshot import GpuStatus, HealthStatus, Snapshot
 from r3090d.core.vocabulary import SUSPEND_PHASES, Phase, RestartReason, Severity
 from r3090d.units import MIB
@@ -32,6 +33,10 @@ class WatchState:
     probe_seen_finished_at: float | None = None
     probe_due_at: float | None = None
     probe_failures: int = 0  # failed probes in a row with nothing moving after they were sent
+    probe_excused: int = 0  # missed probes in a row retried as the host's fault (probetime.starved_miss)
+    engine_cpu: tuple[float, float] | None = None  # (time, the engine's CPU seconds) at the last poll
+    probe_cpu_sent: float | None = None  # the sent_at of the probe that probe_cpu_before belongs to
+    probe_cpu_before: tuple[float, float] | None = None  # engine_cpu read just before that probe was sent
     memory_points: tuple[tuple[float, int], ...] = ()  # (time, used bytes), downsampled
     gpu_busy: bool = False  # the GPU's own view at the last poll: the engine is computing
     gpu_idle_since: float | None = None  # requests running and the GPU idle, since
@@ -166,6 +171,7 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
     w = _advance_progress(snap, w, now)
     w = _track_preemptions(snap, w, now)
     w = _track_memory(snap, w, cfg, now)
+    w = _track_engine_cpu(snap, w, now)
     health = snap.health
 
     # Dead: refused for K polls, or a 503 (vLLM's answer after EngineDeadError).
@@ -205,11 +211,17 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
         if inf.ok or moved:
             # A probe that queued behind a long prefill times out while the engine works:
             # progress after it was sent says the engine is not frozen, so it does not count.
-            w = replace(w, probe_failures=0, probe_due_at=max(inf.finished_at, w.progress_at) + wd.probe_idle_seconds)
+            w = replace(w, probe_failures=0, probe_excused=0, probe_due_at=max(inf.finished_at, w.progress_at) + wd.probe_idle_seconds)
+        elif w.probe_excused < probetime.EXCUSED_MISSES_MAX and probetime.starved_miss(inf, snap.host_load, w.probe_cpu_before, snap.child.cpu_seconds, now):
+            # The engine computes on a host with no CPU to spare: its turn came late, it is not frozen. Retried, not counted.
+            w = replace(w, probe_excused=w.probe_excused + 1, probe_due_at=inf.finished_at)
         else:
             w = replace(w, probe_failures=w.probe_failures + 1, probe_due_at=inf.finished_at)  # retry at once
             if w.probe_failures >= wd.probe_failures:
-                return w, RestartVerdict(RestartReason.PROBE_FAILED, f"{w.probe_failures} inference probes failed with nothing moving ({inf.detail})", drain=False)
+                excused = f"; {w.probe_excused} missed while the engine computed on a saturated host, retried" if w.probe_excused else ""
+                facts = probetime.miss_facts(snap.host_load, w.probe_cpu_before, snap.child.cpu_seconds, now) if inf.timed_out else ""
+                facts = f" ({facts})" if facts else ""
+                return w, RestartVerdict(RestartReason.PROBE_FAILED, f"{w.probe_failures} inference probes failed with nothing moving ({inf.detail}){excused}{facts}", drain=False)
 
     # KV cache: low free blocks for K consecutive polls.
     if eng.free_blocks is not None and eng.free_blocks < wd.min_free_blocks:
@@ -226,6 +238,17 @@ def assess(snap: Snapshot, w: WatchState, cfg: Config, now: float) -> tuple[Watc
     elif eng.free_blocks is not None:
         w = replace(w, kv_low_polls=0, kv_low_since=None, kv_load=False)
     return w, None
+
+
+def _track_engine_cpu(snap: Snapshot, w: WatchState, now: float) -> WatchState:
+    """Keep the engine's CPU time as read just before the latest probe was sent: the poll that sent it
+    read it first. A probe first seen with no such reading has none (its miss is counted)."""
+    sent = snap.inference.sent_at
+    if sent is not None and sent != w.probe_cpu_sent:
+        before = w.engine_cpu if w.engine_cpu is not None and w.engine_cpu[0] <= sent else None
+        w = replace(w, probe_cpu_sent=sent, probe_cpu_before=before)
+    cpu = snap.child.cpu_seconds
+    return replace(w, engine_cpu=(now, cpu) if cpu is not None else None)
 
 
 def _gpu_working(w: WatchState, wd, quiet: float) -> bool:

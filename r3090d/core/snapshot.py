@@ -120,6 +120,19 @@ class HostFacts:
     model: ModelFacts | None = None
 
 
+@dataclass(frozen=True)
+class HostLoad:
+    """How busy the host's CPUs are, read each tick. None: not measured."""
+
+    load_1m: float | None = None  # the kernel's 1-minute load average (runnable and uninterruptible tasks)
+    cores: int | None = None  # CPUs this process may run on
+
+    @property
+    def saturated(self) -> bool:
+        """More tasks want a CPU than there are CPUs: a request can wait its turn for seconds."""
+        return self.load_1m is not None and bool(self.cores) and self.load_1m > self.cores
+
+
 # ------------------------------------------------------------------------ engine
 
 
@@ -190,6 +203,8 @@ class InferenceProbeSample:
     consecutive_failures: int = 0
     sent_total: int = 0  # probes sent since the daemon started, over all engines
     unanswered_total: int = 0  # of those, the ones that ended without an answer (refused, timed out, an HTTP error)
+    timed_out: bool = False  # the failure was the deadline passing with no answer (not an error answer)
+    timeout_s: float | None = None  # the deadline this probe was sent with (learned: core.probetime)
 
 
 @dataclass(frozen=True)
@@ -235,6 +250,7 @@ class ChildSample:
     root_cause: str | None = None  # after an exit: why it died (rootcause.py); None when nothing says why
     root_cause_certain: bool = False  # root_cause says why (an OOM kill, a signal, an exception, an ERROR line)
     last_log_line: str | None = None  # after an exit: the engine's last line, where it stopped (not a cause)
+    cpu_seconds: float | None = None  # user + system CPU time of the tree's live processes, cumulative; None: not read
 
     @property
     def tree_gone(self) -> bool:
@@ -254,6 +270,7 @@ class Snapshot:
     gpu: GpuSample
     inference: InferenceProbeSample = field(default_factory=InferenceProbeSample)
     canary: CanarySample = field(default_factory=CanarySample)
+    host_load: HostLoad = field(default_factory=HostLoad)
     shutdown_requested: bool = False
     # Requests from the control plane, consumed by this tick's decide().
     restart_requested: RestartKind | None = None

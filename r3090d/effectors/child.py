@@ -345,7 +345,8 @@ class EngineProcess:
                 )
                 fields.update(root_cause=why.cause, root_cause_certain=why.cause is not None, last_log_line=why.last_log_line)
         tree = group_members(pgid) if pgid is not None else ()
-        return ChildSample(tree_pids=tree, **fields)
+        # The whole tree's: vLLM computes in its EngineCore process, not in the API server.
+        return ChildSample(tree_pids=tree, cpu_seconds=procstat.cpu_seconds(tree), **fields)
 
     def log_tail(self) -> list[str]:
         return list(self._tail)

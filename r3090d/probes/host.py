@@ -1,4 +1,5 @@
-"""Host facts for preflight: swap, swappiness, CPU governors, the engine port, the model directory.
+"""Host facts for preflight: swap, swappiness, CPU governors, the engine port, the model directory;
+and, each tick, the host's load (is every CPU taken?).
 
 /proc and /sys are read under an injectable root so tests can build fake
 trees. A file that is missing or unreadable means "not measured" (None),
@@ -9,12 +10,13 @@ never an exception: containers often have no cpufreq, and hardened units
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from pathlib import Path
 
 import psutil
 
-from r3090d.core.snapshot import HostFacts, PortFacts, PortHolder
+from r3090d.core.snapshot import HostFacts, HostLoad, PortFacts, PortHolder
 
 # Connections a server's port can carry after its listener is gone (accepted
 # sockets still open or closing). They keep a plain bind() out, but not the
@@ -71,6 +73,19 @@ def read_governors(root: Path | str = "/") -> tuple[str, ...] | None:
         if text is not None and text.strip():
             found.add(text.strip())
     return tuple(sorted(found)) if found else None
+
+
+def read_load() -> HostLoad:
+    """The 1-minute load average and the CPUs this process may use; a field it cannot read is None."""
+    try:
+        load_1m = os.getloadavg()[0]
+    except OSError:
+        load_1m = None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count()
+    return HostLoad(load_1m, cores)
 
 
 def _bind_address(host: str, port: int) -> tuple[int, tuple]:

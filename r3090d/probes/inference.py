@@ -12,6 +12,9 @@ sent to an embedding engine.
 
 Whatever goes wrong in that thread, it ends by recording a failed sample: a probe
 left "in flight" would never be sent again, and a frozen engine would go unseen.
+
+Each probe's deadline learns from this engine's recent answers (core.probetime):
+an engine that answers slowly on a busy host gets the time it has shown it needs.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import httpx
 
 from r3090d.config.schema import EngineKind
+from r3090d.core.probetime import RECENT_ANSWERS, learned_probe_timeout
 from r3090d.core.snapshot import InferenceProbeSample
 from r3090d.probes.http import engine_client
 from r3090d.probes.offloop import Exchange, OffLoop
@@ -92,42 +97,49 @@ class InferenceProber(OffLoop[InferenceProbeSample]):
         self._url = base_url.rstrip("/") + self._probe.path
         self._model = model
         self._api_key = api_key
-        self._timeout = timeout
+        self._timeout = timeout  # as configured: the floor of every probe's deadline
+        self._answers: deque[float] = deque(maxlen=RECENT_ANSWERS)  # this engine's recent answer times, seconds
 
     def reset(self) -> None:
-        """A new engine: forget the old one's failures (a late answer from it is ignored)."""
-        self._reset(InferenceProbeSample())
+        """A new engine: forget the old one's failures and answer times (a late answer from it is ignored)."""
+        self._reset(InferenceProbeSample())  # first: the old engine's late answers are then ignored, not learned
+        with self._lock:
+            self._answers.clear()
 
     def send(self) -> None:
+        with self._lock:
+            timeout = learned_probe_timeout(self._timeout, tuple(self._answers))
+
         def in_flight(prev: InferenceProbeSample) -> InferenceProbeSample:
-            return InferenceProbeSample(sent_at=time.monotonic(), finished_at=prev.finished_at, ok=None, consecutive_failures=prev.consecutive_failures)
+            return InferenceProbeSample(sent_at=time.monotonic(), finished_at=prev.finished_at, ok=None, consecutive_failures=prev.consecutive_failures,
+                                        timeout_s=timeout)  # fmt: skip
 
         def not_started(generation: int, exc: Exception) -> None:
             self._finish(generation, False, _short(f"probe not started: {type(exc).__name__}: {exc}"), unanswered=True)
 
-        self._begin(in_flight, self._run, "inference-probe", not_started)
+        self._begin(in_flight, lambda generation: self._run(generation, timeout), "inference-probe", not_started)
 
-    def _run(self, generation: int) -> None:
-        ok, detail = False, "the probe ended without an answer"
+    def _run(self, generation: int, timeout: float) -> None:
+        ok, detail, timed_out = False, "the probe ended without an answer", False
         exchange = Exchange()
         unanswered = False  # unknown (a BaseException): counted as answered, as while in flight
         try:
-            ok, detail = self._request(exchange)
+            ok, detail = self._request(exchange, timeout)
             unanswered = not exchange.answered
         except Exception as exc:  # noqa: BLE001 - any failure is a failed probe
-            ok, detail = False, self._describe(exc)
+            ok, detail, timed_out = False, self._describe(exc, timeout), isinstance(exc, httpx.TimeoutException)
             unanswered = not exchange.answered
         finally:
             # Also reached on BaseException, with the default failure above.
-            self._finish(generation, ok, detail, unanswered=unanswered)
+            self._finish(generation, ok, detail, timed_out, unanswered=unanswered)
 
-    def _request(self, exchange: Exchange) -> tuple[bool, str]:
+    def _request(self, exchange: Exchange, limit: float) -> tuple[bool, str]:
         headers = dict(_HEADERS)
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
         body = self._probe.body(self._model)
-        timeout = httpx.Timeout(self._timeout, connect=min(5.0, self._timeout))
-        deadline = time.monotonic() + self._timeout
+        timeout = httpx.Timeout(limit, connect=min(5.0, limit))
+        deadline = time.monotonic() + limit
         with engine_client(timeout) as client:
             with client.stream("POST", self._url, json=body, headers=headers) as resp:
                 if resp.status_code != 200:
@@ -135,16 +147,16 @@ class InferenceProber(OffLoop[InferenceProbeSample]):
                 exchange.answered = True
                 if self._probe.judge is None:
                     return True, ""
-                answer = _read_bounded(resp, deadline, self._timeout)
+                answer = _read_bounded(resp, deadline, limit)
                 if isinstance(answer, str):
                     return False, answer
                 wrong = self._probe.judge(answer)
                 return wrong is None, wrong or ""
 
-    def _describe(self, exc: Exception) -> str:
+    def _describe(self, exc: Exception, timeout: float) -> str:
         name = type(exc).__name__
         if isinstance(exc, httpx.TimeoutException):
-            return f"no answer within {self._timeout:.0f} s ({name})"
+            return f"no answer within {timeout:.3g} s ({name})"
         if isinstance(exc, httpx.HTTPError | httpx.InvalidURL):
             # Their messages can quote the request's headers, the key among them.
             return name
@@ -154,10 +166,13 @@ class InferenceProber(OffLoop[InferenceProbeSample]):
                 message = message.replace(form, "<api key>")
         return _short(f"{name}: {message}")
 
-    def _finish(self, generation: int, ok: bool, detail: str, *, unanswered: bool) -> None:
+    def _finish(self, generation: int, ok: bool, detail: str, timed_out: bool = False, *, unanswered: bool) -> None:
         def finished(prev: InferenceProbeSample) -> InferenceProbeSample:
-            return InferenceProbeSample(sent_at=prev.sent_at, finished_at=time.monotonic(), ok=ok, detail=detail,
-                                        consecutive_failures=0 if ok else prev.consecutive_failures + 1)  # fmt: skip
+            now = time.monotonic()
+            if ok and prev.sent_at is not None:
+                self._answers.append(now - prev.sent_at)  # under the lock _end holds
+            return InferenceProbeSample(sent_at=prev.sent_at, finished_at=now, ok=ok, detail=detail, timed_out=timed_out and not ok,
+                                        consecutive_failures=0 if ok else prev.consecutive_failures + 1, timeout_s=prev.timeout_s)  # fmt: skip
 
         self._end(generation, finished, unanswered=unanswered)
 
@@ -168,7 +183,8 @@ class InferenceProber(OffLoop[InferenceProbeSample]):
         now = time.monotonic()
         with self._lock:
             prev = self._sample
-            overdue = self._in_flight and prev.sent_at is not None and now - prev.sent_at > self._timeout + OVERDUE_MARGIN_S
+            timeout = prev.timeout_s if prev.timeout_s is not None else self._timeout
+            overdue = self._in_flight and prev.sent_at is not None and now - prev.sent_at > timeout + OVERDUE_MARGIN_S
             if overdue:
                 self._generation += 1  # the stuck thread's late answer is ignored
                 self._in_flight = False
@@ -176,8 +192,10 @@ class InferenceProber(OffLoop[InferenceProbeSample]):
                     sent_at=prev.sent_at,
                     finished_at=now,
                     ok=False,
-                    detail=f"no answer within {self._timeout:.0f} s (the request outlived its timeout)",
+                    detail=f"no answer within {timeout:.3g} s (the request outlived its timeout)",
                     consecutive_failures=prev.consecutive_failures + 1,
+                    timed_out=True,
+                    timeout_s=prev.timeout_s,
                 )
             return replace(self._sample, sent_total=self._sent_total, unanswered_total=self._unanswered_total)
 
@@ -191,7 +209,7 @@ def _read_bounded(resp: httpx.Response, deadline: float, timeout: float) -> byte
         if size > MAX_EMBEDDING_ANSWER:
             return f"the answer is over {MAX_EMBEDDING_ANSWER >> 20} MiB"
         if time.monotonic() > deadline:
-            return f"the answer was not read within {timeout:.0f} s"
+            return f"the answer was not read within {timeout:.3g} s"
         chunks.append(chunk)
     return b"".join(chunks)
 

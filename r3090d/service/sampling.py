@@ -1,4 +1,4 @@
-"""One tick's readings, frozen into a Snapshot: the child, /health and /metrics, NVML, the probe.
+"""One tick's readings, frozen into a Snapshot: the child, /health and /metrics, NVML, the probe, the host's load.
 
 /health is asked only while an engine of ours should be answering (starting,
 ready, or draining for a suspend, or being verified after one: `probe`);
@@ -18,6 +18,7 @@ from r3090d.core.vocabulary import SUSPEND_PHASES, Phase
 from r3090d.effectors.child import EngineProcess
 from r3090d.probes.canary import CanaryProber
 from r3090d.probes.engine import EngineProbe
+from r3090d.probes.host import read_load
 from r3090d.probes.inference import InferenceProber
 from r3090d.service.commands import Pending
 
@@ -81,6 +82,7 @@ class Sampler:
             gpu=gpu,
             inference=self.prober.sample(),
             canary=self.canary.sample(),
+            host_load=read_load(),
             shutdown_requested=shutdown,
             restart_requested=restart,
             maintenance=maintenance,

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from r3090d.core.probetime import learned_probe_timeout
 from r3090d.core.snapshot import HealthStatus
 from r3090d.probes import inference, offloop
 from r3090d.probes.engine import EngineProbe, fetch_metrics, probe_health
@@ -475,6 +476,42 @@ def test_inference_probe_ok_and_http_error(serve):
     broken = serve({"/v1/completions": answer(500, "no\n")})
     sample = run_inference_probe(InferenceProber(broken.url, MODEL, API_KEY, timeout=5, wake=wake), wake)
     assert sample.ok is False and sample.detail == "HTTP 500"
+    assert not sample.timed_out  # an answer, if a wrong one: no load excuses it
+
+
+def test_a_probe_with_no_answer_by_its_deadline_is_a_timed_out_failure(silent_url):
+    wake = threading.Event()
+    sample = run_inference_probe(InferenceProber(silent_url, MODEL, "", timeout=0.5, wake=wake), wake)
+    assert sample.ok is False and sample.timed_out and sample.timeout_s == 0.5
+    assert "no answer within 0.5 s" in sample.detail
+
+
+def slow_completions(*delays: float) -> Route:
+    """Completions answered after each of `delays` seconds in turn: an engine slow on a busy host, not a frozen one."""
+    left = list(delays)
+
+    def route(handler, stop):
+        stop.wait(left.pop(0) if left else 0.0)
+        completion(handler, stop)
+
+    return route
+
+
+def test_the_deadline_learns_from_the_engines_answers_and_a_new_engine_starts_afresh(serve):
+    configured = 1.0
+    # Half the configured timeout, then more than all of it: the second is answered only by a learned deadline.
+    engine = serve({"/v1/completions": slow_completions(0.5, 1.1)})
+    wake = threading.Event()
+    prober = InferenceProber(engine.url, MODEL, "", timeout=configured, wake=wake)
+    first = run_inference_probe(prober, wake)
+    assert first.ok is True and first.timeout_s == configured, first
+    answered_in = first.finished_at - first.sent_at
+    second = run_inference_probe(prober, wake)
+    assert second.timeout_s == pytest.approx(learned_probe_timeout(configured, [answered_in]))
+    assert second.ok is True, second
+    prober.reset()  # a new engine: the old one's answer times say nothing of it
+    prober.send()
+    assert prober.sample().timeout_s == configured
 
 
 @pytest.mark.parametrize(
@@ -514,7 +551,7 @@ def test_a_probe_stuck_past_its_timeout_is_failed_not_left_in_flight():
     hold = threading.Event()
 
     prober = inference.InferenceProber(f"http://127.0.0.1:{port}", "m", "", timeout=0.5)
-    prober._request = lambda _exchange: (hold.wait(30), (True, ""))[1]  # the boundary: a request that ignores its timeout
+    prober._request = lambda _exchange, _limit: (hold.wait(30), (True, ""))[1]  # the boundary: a request that ignores its timeout
     try:
         prober.send()
         assert prober.sample().ok is None  # in flight
@@ -525,6 +562,7 @@ def test_a_probe_stuck_past_its_timeout_is_failed_not_left_in_flight():
         s = prober.sample()
         assert s.ok is False and s.consecutive_failures == 1 and "outlived its timeout" in s.detail
         assert s.unanswered_total == 0  # its end is unknown: it stays counted as one vLLM may complete
+        assert s.timed_out  # a missed deadline, which a starved host may excuse (core.probetime)
         hold.set()  # the late answer of the abandoned thread changes nothing
         for t in threading.enumerate():
             if t.name == "inference-probe":

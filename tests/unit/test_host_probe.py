@@ -177,3 +177,10 @@ def test_address_not_on_this_machine():
     assert p.free is None and "not an address of this machine" in p.error
     r = check_port(HostFacts(port=p), frozenset())
     assert r.status is Status.FAIL and r.permanent
+
+
+def test_the_hosts_load_is_read_with_the_cpus_this_process_may_use():
+    load = host.read_load()
+    assert load.load_1m is not None and load.load_1m >= 0
+    assert load.cores == len(os.sched_getaffinity(0))
+    assert load.saturated is (load.load_1m > load.cores)

@@ -40,3 +40,29 @@ def test_a_real_child_is_read_and_then_gone():
         child.kill()
         child.wait()
     assert procstat.read(child.pid) is None
+
+
+def test_cpu_time_is_user_plus_system_ticks():
+    # Fields 14 (utime) and 15 (stime): here 700 and 50 ticks.
+    raw = b"9 (VLLM::EngineCore) R 1 9 9 0 -1 4194560 10 0 0 0 700 50 0 0 20 0 4 0 8812345 0 0\n"
+    st = procstat.parse(9, raw)
+    assert st is not None and st.cpu_ticks == 750 and st.start_ticks == 8812345
+
+
+def test_the_cpu_seconds_of_a_tree_rise_while_a_child_computes_and_not_while_it_sleeps():
+    from tests.waiting import wait_until
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        start = procstat.cpu_seconds([busy.pid])
+        assert start is not None
+        wait_until(lambda: procstat.cpu_seconds([busy.pid]) >= start + 0.2, 30, what="the busy child's CPU time risen by 0.2 s")
+        # A process that only waits: far less than the busy one over the same start-up (python's start is its only CPU).
+        assert procstat.cpu_seconds([idle.pid]) < procstat.cpu_seconds([busy.pid])
+        assert procstat.cpu_seconds([busy.pid, idle.pid]) >= procstat.cpu_seconds([busy.pid])
+    finally:
+        for p in (busy, idle):
+            p.kill()
+            p.wait()
+    assert procstat.cpu_seconds([busy.pid, idle.pid]) is None  # gone: not read, not zero
