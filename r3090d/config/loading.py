@@ -190,12 +190,15 @@ def _check_instance(cfg: Config, instance: int | None, path) -> None:
 
 
 def _check_engine_ports(cfg: Config, instance: int | None, path) -> None:
-    """Swap mode: this instance's engine ports are ports, and none is a public or exporter port of any instance."""
+    """Swap mode: this instance's engine ports are ports, and none is a public or exporter port of any instance
+    (on engine.listen = "tcp": unix sockets use no port)."""
     if not cfg.models:
         return
     count = len(cfg.models)
     if count > MAX_MODELS:
         raise ConfigError(path, "models", f"lists {count} models, more than the {MAX_MODELS} engine ports each instance has", f"keep at most {MAX_MODELS} [[models]] entries")
+    if cfg.engine.listen is EngineListen.UDS:
+        return  # the engines serve on unix sockets: their ports are not used
     n = instance or 0
     base = cfg.swap.engine_port_base
     first, last = port_for(base, instance, 0), port_for(base, instance, count - 1)

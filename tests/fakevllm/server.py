@@ -944,6 +944,7 @@ class Handler(BaseHTTPRequestHandler):
         "/v1/chat/completions": {"POST": "chat_completions"},
         "/v1/embeddings": {"POST": "embeddings"},
         "/tokenize": {"POST": "tokenize"},
+        "/invocations": {"POST": "invocations"},
         "/fake/state": {"GET": "fake_state"},
         "/fake/requests": {"GET": "fake_requests"},
         "/fake/control": {"POST": "fake_control"},
@@ -1041,6 +1042,17 @@ class Handler(BaseHTTPRequestHandler):
         count = prompt_token_count(body, chat)  # the count usage reports for the same prompt
         # Stand-in ids: the double has no vocabulary, only a count.
         self._json(200, {"count": count, "max_model_len": app.opts.max_model_len, "tokens": list(range(count))})
+
+    def route_invocations(self):
+        """vLLM's /invocations (SageMaker's route), outside /v1 and so without the API key: a chat, an embedding
+        or a completion, told apart by the body."""
+        body = self._body_json()
+        if "messages" in body:
+            self._generate(chat=True)
+        elif "input" in body:
+            self.route_embeddings()
+        else:
+            self._generate(chat=False)
 
     def route_embeddings(self):
         app = self.server.app

@@ -380,7 +380,11 @@ def test_no_canary_without_a_generative_model():
     ],
 )  # fmt: skip
 def test_engine_ports_are_checked_against_every_instances_ports(sections, instance, problem, fix):
-    refused(swap_doc(**sections), key="swap.engine_port_base", problem=problem, fix=fix, instance=instance)
+    on_tcp = swap_doc(**sections)
+    on_tcp["engine"] = {**on_tcp["engine"], "listen": "tcp"}
+    refused(on_tcp, key="swap.engine_port_base", problem=problem, fix=fix, instance=instance)
+    # On unix sockets (the default) the engines use no port: nothing to clash.
+    assert load(swap_doc(**sections), instance).engine.listen is EngineListen.UDS
 
 
 def test_the_exporters_ports_are_free_for_engines_when_it_is_off():

@@ -1,0 +1,107 @@
+"""Swap mode's engines on private unix sockets: another local user cannot reach an engine's routes that vLLM serves
+without its key (here /invocations); the router serves the same request. On TCP (engine.listen = "tcp") it could.
+
+The daemon, its router and the vLLM double run for real (the double serves on --uds as vLLM does); the other user is
+nobody, through tests/unprivileged.py (the tests need root to drop to it).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tomllib
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests import unprivileged as unprivileged_mod
+from tests.component.test_swap_daemon import swap_rig  # noqa: F401 -- the fixture
+
+pytestmark = pytest.mark.component
+
+# vLLM's /invocations (a completion here) takes no API key: sent by another user, straight to the engine.
+OTHER_USERS_REQUEST = r"""
+import errno, json, socket, sys
+address = sys.argv[1]
+body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+try:
+    if address.startswith("unix:"):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(30)
+        s.connect(address[len("unix:"):])
+    else:
+        host, port = address.rsplit(":", 1)
+        s = socket.create_connection((host, int(port)), timeout=30)
+    head = f"POST /invocations HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    s.sendall(head.encode() + body)
+    reply = b""
+    while chunk := s.recv(65536):
+        reply += chunk
+    print(reply.split(b"\r\n", 1)[0].decode())
+except OSError as exc:
+    print(errno.errorcode.get(exc.errno, repr(exc)))
+"""
+
+
+@pytest.fixture
+def other_user(unprivileged):
+    if unprivileged_mod.expected_uid() == os.geteuid():
+        pytest.skip("needs root, to send a request as another user")
+    return unprivileged
+
+
+def engine_cmdlines(daemon_pid: int) -> list[list[str]]:
+    """The command lines that start vLLM under the daemon, as ps shows them."""
+    out = []
+    for p in psutil.Process(daemon_pid).children(recursive=True):
+        try:
+            cmdline = p.cmdline()
+        except psutil.Error:
+            continue
+        if "vllm.entrypoints.openai.api_server" in cmdline:
+            out.append(cmdline)
+    return out
+
+
+def test_an_engine_on_its_socket_refuses_another_user_and_serves_through_the_router(swap_rig, other_user):  # noqa: F811
+    r = swap_rig(models=("alpha",), gpu=False)
+    served = r.complete("alpha")
+    assert served.status_code == 200, served.text  # through the router
+    st = r.wait_model("alpha", "ready")
+    address = r.model(st, "alpha")["engine"]["url"]
+    assert address.startswith("unix:") and r.model(st, "alpha")["port"] is None, address
+    sock = Path(address.removeprefix("unix:"))
+    assert stat.S_ISSOCK(sock.lstat().st_mode) and stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+    engines = engine_cmdlines(r.proc.proc.pid)  # the launcher's and vLLM's own
+    assert engines and all(c[c.index("--uds") + 1] == str(sock) and "--port" not in c and "--host" not in c for c in engines), engines
+    assert r.engine_get(st, "alpha", "/health").status_code == 200  # the daemon's user reaches it, as its probes do
+
+    # Only the engines' directory may stand in the way: the rig's runtime_dir (private to the test) and the socket
+    # itself (its mode follows the umask) are opened to everyone.
+    os.chmod(sock.parent.parent, 0o755)
+    os.chmod(sock, 0o777)
+    out = other_user.python(OTHER_USERS_REQUEST, address)
+    assert out.stdout.strip() == "EACCES", (out.stdout, out.stderr)
+    # The same request, the directory opened: served, with no key. The refusal above was the directory's.
+    os.chmod(sock.parent, 0o755)
+    try:
+        out = other_user.python(OTHER_USERS_REQUEST, address)
+    finally:
+        os.chmod(sock.parent, 0o700)
+    assert out.stdout.strip().startswith("HTTP/1.1 200"), (out.stdout, out.stderr)
+    assert "Traceback" not in r.proc.log()
+
+
+def test_engines_on_tcp_when_the_file_asks_serve_on_their_ports_to_anyone(swap_rig, other_user):  # noqa: F811
+    """The option kept for setups that need the ports, and the hole it leaves (preflight warns of it)."""
+    r = swap_rig(models=("alpha",), gpu=False, listen="tcp")
+    served = r.complete("alpha")
+    assert served.status_code == 200, served.text
+    st = r.wait_model("alpha", "ready")
+    port = tomllib.loads(r.config.read_text())["swap"]["engine_port_base"]
+    assert r.model(st, "alpha")["port"] == port and r.model(st, "alpha")["engine"]["url"] == f"http://127.0.0.1:{port}"
+    engines = engine_cmdlines(r.proc.proc.pid)
+    assert engines and all(c[c.index("--port") + 1] == str(port) and "--uds" not in c for c in engines), engines
+    out = other_user.python(OTHER_USERS_REQUEST, f"127.0.0.1:{port}")
+    assert out.stdout.strip().startswith("HTTP/1.1 200"), (out.stdout, out.stderr)
