@@ -8,6 +8,7 @@ nobody, through tests/unprivileged.py (the tests need root to drop to it).
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import tomllib
 from pathlib import Path
@@ -16,7 +17,8 @@ import psutil
 import pytest
 
 from tests import unprivileged as unprivileged_mod
-from tests.component.test_swap_daemon import swap_rig  # noqa: F401 -- the fixture
+from tests.component.test_swap_daemon import BOUND, swap_rig  # noqa: F401 -- the fixture
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
 
@@ -105,3 +107,21 @@ def test_engines_on_tcp_when_the_file_asks_serve_on_their_ports_to_anyone(swap_r
     assert engines and all(c[c.index("--port") + 1] == str(port) and "--uds" not in c for c in engines), engines
     out = other_user.python(OTHER_USERS_REQUEST, f"127.0.0.1:{port}")
     assert out.stdout.strip().startswith("HTTP/1.1 200"), (out.stdout, out.stderr)
+
+
+def test_an_engine_killed_comes_back_on_the_socket_it_left(swap_rig):  # noqa: F811
+    """vLLM leaves its socket behind when it dies (and binds without removing one): the daemon removes it before the
+    next start, or that start would fail with EADDRINUSE."""
+    r = swap_rig(models=("alpha",), gpu=False)
+    assert r.complete("alpha").status_code == 200
+    st = r.wait_model("alpha", "ready")
+    sock = Path(r.model(st, "alpha")["engine"]["url"].removeprefix("unix:"))
+    pid = r.engine_get(st, "alpha", "/fake/state").json()["pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, BOUND, what="the engine gone")
+    assert stat.S_ISSOCK(sock.lstat().st_mode)  # left behind, as vLLM leaves it
+    again = r.complete("alpha")
+    assert again.status_code == 200, again.text
+    st = r.wait_model("alpha", "ready")
+    assert r.model(st, "alpha")["restarts"]["total"] >= 1 and r.engine_get(st, "alpha", "/fake/state").json()["pid"] != pid
+    assert f"removed the socket {sock} an earlier engine left" in r.proc.log()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import stat
 import threading
 
 import httpx
@@ -17,6 +19,8 @@ from r3090d.preflight.checks import PreflightFacts, Status, check_engine_listen,
 from r3090d.probes.engine import probe_health
 from r3090d.probes.http import engine_client
 from r3090d.router.link import LinkError, decode
+from r3090d.service import enginesocket
+from r3090d.service.safedir import UnsafeDirectory
 from tests.unit.test_router_link import entry, table_line
 
 V032 = argvmod.parse_version("0.32.0")
@@ -155,3 +159,28 @@ def test_the_engine_client_goes_to_the_socket_whatever_the_urls_host(tmp_path):
     with pytest.raises(httpx.ConnectError):
         with engine_client(1.0, uds=str(tmp_path / "gone.sock")) as client:
             client.get("http://localhost/health")
+
+
+# ------------------------------------------------------------------ the sockets' directory
+
+
+def test_a_start_makes_the_directory_private_and_removes_a_socket_left_there(tmp_path):
+    path = tmp_path / "engines" / "0.sock"
+    enginesocket.clear_for_start(str(path))  # nothing there yet: the directory is made, 0700
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700 and not path.exists()
+    os.chmod(path.parent, 0o755)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as left:  # what a killed engine leaves
+        left.bind(str(path))
+    enginesocket.clear_for_start(str(path))
+    assert not path.exists() and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as engine:  # the next engine binds where the last one was
+        engine.bind(str(path))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the directory to another user")
+def test_a_sockets_directory_of_another_user_is_refused(tmp_path):
+    directory = tmp_path / "engines"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, 65534, 65534)
+    with pytest.raises(UnsafeDirectory, match="belongs to"):
+        enginesocket.ensure_directory(directory)
