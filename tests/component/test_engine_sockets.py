@@ -1,5 +1,6 @@
-"""Swap mode's engines on private unix sockets: another local user cannot reach an engine's routes that vLLM serves
-without its key (here /invocations); the router serves the same request. On TCP (engine.listen = "tcp") it could.
+"""Engines on private unix sockets. In swap mode (their default) another local user cannot reach an engine's routes
+that vLLM serves without its key (here /invocations); the router serves the same request. On TCP (engine.listen =
+"tcp") it could. The one engine of a single-engine config serves on its socket when the file asks, and is probed there.
 
 The daemon, its router and the vLLM double run for real (the double serves on --uds as vLLM does); the other user is
 nobody, through tests/unprivileged.py (the tests need root to drop to it).
@@ -8,16 +9,20 @@ nobody, through tests/unprivileged.py (the tests need root to drop to it).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
+import tempfile
 import tomllib
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
 from tests import unprivileged as unprivileged_mod
 from tests.component.test_swap_daemon import BOUND, swap_rig  # noqa: F401 -- the fixture
+from tests.daemon_harness import DaemonProcess, engine_config, write_config
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.component
@@ -125,3 +130,23 @@ def test_an_engine_killed_comes_back_on_the_socket_it_left(swap_rig):  # noqa: F
     st = r.wait_model("alpha", "ready")
     assert r.model(st, "alpha")["restarts"]["total"] >= 1 and r.engine_get(st, "alpha", "/fake/state").json()["pid"] != pid
     assert f"removed the socket {sock} an earlier engine left" in r.proc.log()
+
+
+def test_the_one_engine_on_a_socket_when_the_file_asks_is_probed_there(tmp_path, fake_engine_python):
+    runtime = Path(tempfile.mkdtemp(prefix="r3090d-", dir="/tmp"))  # pytest's tmp_path is too long for a socket's path
+    sections = engine_config(tmp_path, fake_engine_python, engine={"listen": "uds"}, watchdog={"probe_idle_seconds": 1.0},
+                             daemon={"runtime_dir": str(runtime)})  # fmt: skip
+    proc = DaemonProcess(write_config(tmp_path / "r3090d.toml", sections), tmp_path / "daemon.log").start()
+    try:
+        st = proc.wait_ready(BOUND)
+        sock = runtime / "engines" / "0.sock"
+        assert st["engine"]["url"] == f"unix:{sock}"
+        st = proc.wait_for(lambda s: s if (s.get("inference") or {}).get("ok") else None, BOUND, "a passing inference probe")
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), trust_env=False, timeout=5.0) as engine:
+            log = engine.get("http://localhost/fake/requests").json()["requests"]
+        assert {("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/completions")} <= {(e["method"], e["path"]) for e in log}
+        engines = engine_cmdlines(proc.proc.pid)
+        assert engines and all(c[c.index("--uds") + 1] == str(sock) and "--port" not in c for c in engines), engines
+    finally:
+        proc.cleanup()
+        shutil.rmtree(runtime, ignore_errors=True)
