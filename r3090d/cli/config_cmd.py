@@ -134,7 +134,8 @@ def _check_engine(cfg, index: int | None, name: str, engine, version) -> EngineC
     where = f"models[{index}]." if index is not None else "engine."
     api_key_from = f"{where}api_key_file" if engine.api_key else ""
     e = engine.engine
-    return EngineCheck(name, str(e.kind), e.model, e.host, e.port, e.uds, engine.profile, argv, step, tuple(steps.window_warnings(engine.watchdog, step)), api_key_from)  # fmt: skip
+    return EngineCheck(name, str(e.kind), e.model, e.host, e.port, e.uds, engine.profile, argv, step,
+                       tuple(steps.window_warnings(engine.watchdog, step)), api_key_from)  # fmt: skip
 
 
 def _in_entry(exc: ConfigError, cfg, index: int) -> ConfigError:

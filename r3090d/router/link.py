@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 # One vocabulary with the daemon: a model's kind is the config's, its state the arbiter's residency.
+from r3090d.config.schema import UNIX_PATH_MAX
 from r3090d.config.schema import EngineKind as ModelKind
 from r3090d.core.arbiter import Residency as EngineState
 
 MAX_LINE_BYTES = 1024 * 1024  # a table of dozens of models is a few kB; a longer line is not ours
 MAX_REASON_CHARS = 4096  # a give-up reason is a sentence; it goes into a client's error message
 UNIX_PREFIX = "unix:"  # an upstream on a unix socket: unix:/PATH
-UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the trailing NUL
 
 
 class LinkError(ValueError):
