@@ -25,6 +25,7 @@ FLAG_VERSIONS: dict[str, tuple[Version | None, Version | None]] = {
     "--num-scheduler-steps": (None, Version("0.10.2")),
     "--max-seq-len-to-capture": (None, Version("0.11")),
     "--disable-access-log-for-endpoints": (Version("0.16.0rc1"), None),
+    "--uds": (Version("0.9.0rc1"), None),  # vLLM pull request 18097, merged May 2025
 }
 # uvicorn logs one access line per request, and the daemon polls /health and
 # /metrics every watchdog.poll_interval: without this, those polls would be most
@@ -120,7 +121,14 @@ def build_argv(cfg: Config, version: VllmVersion) -> list[str]:
     argv = [e.python, "-m", "vllm.entrypoints.openai.api_server", "--model", e.model]
     if e.served_model_name:
         argv += ["--served-model-name", e.served_model_name]
-    argv += ["--host", e.host, "--port", str(e.port)]
+    if e.uds:
+        # vLLM binds the socket and ignores --host and --port; they are left out so that ps shows no port.
+        why = _flag_supported("--uds", version)
+        if why:
+            raise ConfigError(cfg.source, "engine.listen", why, 'set engine.listen = "tcp" or upgrade vLLM')
+        argv += ["--uds", e.uds]
+    else:
+        argv += ["--host", e.host, "--port", str(e.port)]
     if e.shutdown_timeout > 0:
         why = _flag_supported("--shutdown-timeout", version)
         if why:

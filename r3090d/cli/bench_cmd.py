@@ -298,6 +298,9 @@ def bench_command(
             # With --url the config only lends defaults (API key, model name):
             # one that is not finished yet must not stop a measurement.
             click.echo(f"r3090ctl bench: not using the config: {exc.one_line()}", err=True)
+    if not url and cfg is not None and cfg.engine.uds:
+        raise UsageExit(f"the engine serves on its unix socket {cfg.engine.uds} (engine.listen = \"uds\"), which bench does not "
+                        "speak: give --url of an endpoint on TCP (in swap mode, the router's)")  # fmt: skip
     base = (url or (cfg.engine_url if cfg else "http://127.0.0.1:8000")).rstrip("/")
     if base.endswith("/v1"):
         base = base[: -len("/v1")]

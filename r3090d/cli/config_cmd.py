@@ -10,7 +10,7 @@ import click
 
 from r3090d import argv as argvmod
 from r3090d import config as configmod
-from r3090d.cli.common import config_option, ctl, emit_json, instance_option, load_config
+from r3090d.cli.common import UsageExit, config_option, ctl, emit_json, instance_option, load_config
 from r3090d.config import ConfigError, steps
 from r3090d.config.errors import toml_key
 from r3090d.engineflags import flag_occurrence, flag_value
@@ -28,9 +28,12 @@ def config_group() -> None:
 @config_option
 @instance_option
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def check(config_path, instance, as_json) -> int:
-    """Validate the config; print it (secrets redacted) and the vLLM command line (one per model in swap mode)."""
-    cfg = load_config(config_path, instance)
+@click.argument("file", required=False, metavar="[FILE]")
+def check(config_path, instance, as_json, file) -> int:
+    """Validate the config (FILE, or --config); print it (secrets redacted) and the vLLM command line (one per model in swap mode)."""
+    if file is not None and config_path is not None and file != config_path:
+        raise UsageExit(f"two config files given: {file} and --config {config_path}; give one")
+    cfg = load_config(file or config_path, instance)
     from r3090d.effectors.channels import check_config as check_alerts
 
     check_alerts(cfg)  # syslog facility and address, SMTP password file
@@ -72,7 +75,7 @@ def check(config_path, instance, as_json) -> int:
                + (" (API key from swap.api_key_file)" if cfg.api_key else ""))  # fmt: skip
     width = max(len(e.name) for e in engines)
     for e in engines:
-        click.echo(f"  {e.name:<{width}}  {e.kind:<8}  {e.host}:{e.port}  profile {e.profile}  {e.model}")
+        click.echo(f"  {e.name:<{width}}  {e.kind:<8}  {e.address}  profile {e.profile}  {e.model}")
     for e in engines:
         click.echo(f"argv {e.name}: " + shlex.join(e.argv))
         if e.api_key_from:
@@ -89,17 +92,24 @@ class EngineCheck:
     model: str
     host: str
     port: int
+    socket: str  # its unix socket (engine.listen = "uds"), else ""
     profile: str
     argv: list[str]
     step: steps.StepEstimate
     warnings: tuple[str, ...]
     api_key_from: str  # the setting its key was read from, or ""
 
+    @property
+    def address(self) -> str:
+        return f"unix:{self.socket}" if self.socket else f"{self.host}:{self.port}"
+
     def longest_step_json(self) -> dict:
         return {"seconds": round(self.step.seconds, 2), "estimate": self.step.describe()}
 
     def as_json(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "model": self.model, "host": self.host, "port": self.port,
+        on_tcp = not self.socket
+        return {"name": self.name, "kind": self.kind, "model": self.model, "listen": "tcp" if on_tcp else "uds",
+                "host": self.host if on_tcp else None, "port": self.port if on_tcp else None, "socket": self.socket or None,
                 "profile": self.profile, "argv": self.argv, "longest_step": self.longest_step_json(),
                 "api_key_from": self.api_key_from}  # fmt: skip
 
@@ -123,8 +133,9 @@ def _check_engine(cfg, index: int | None, name: str, engine, version) -> EngineC
     step = _longest_step(engine, model)
     where = f"models[{index}]." if index is not None else "engine."
     api_key_from = f"{where}api_key_file" if engine.api_key else ""
-    return EngineCheck(name, str(engine.engine.kind), engine.engine.model, engine.engine.host, engine.engine.port, engine.profile,
-                       argv, step, tuple(steps.window_warnings(engine.watchdog, step)), api_key_from)  # fmt: skip
+    e = engine.engine
+    return EngineCheck(name, str(e.kind), e.model, e.host, e.port, e.uds, engine.profile, argv, step,
+                       tuple(steps.window_warnings(engine.watchdog, step)), api_key_from)  # fmt: skip
 
 
 def _in_entry(exc: ConfigError, cfg, index: int) -> ConfigError:

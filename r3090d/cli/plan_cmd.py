@@ -302,13 +302,15 @@ def plan_command(
     engine_url = url or (cfg.engine_url if cfg else None)
     comparison = engine_error = None
     if engine_url:
-        cache, engine_error = inputs.read_engine_cache(engine_url, model_name=cfg.model_name if (cfg and not url) else "")
+        from_config = cfg is not None and not url
+        cache, engine_error = inputs.read_engine_cache(engine_url, model_name=cfg.model_name if from_config else "",
+                                                       uds=cfg.engine.uds if from_config else "")  # fmt: skip
         if cache is not None:
             comparison = plancheck.compare(plan, cache)
     if as_json:
         emit_json(plan_to_dict(plan, comparison, engine_error, model))
     else:
-        render(plan, comparison, engine_error, model, engine_url)
+        render(plan, comparison, engine_error, model, cfg.engine_address if (cfg is not None and not url) else engine_url)
     if engine_error is not None and url:
         click.echo(f"r3090ctl plan: could not read the engine at {url}: {engine_error}", err=True)
         return exitcodes.WARNING

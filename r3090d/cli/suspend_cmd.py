@@ -190,7 +190,7 @@ def _completion(cfg) -> tuple[bool, float, str]:
     body = {"model": cfg.model_name, "prompt": "ping", "max_tokens": 1, "temperature": 0}
     t0 = time.monotonic()
     try:
-        with engine_client(cfg.watchdog.probe_timeout + 30) as client:
+        with engine_client(cfg.watchdog.probe_timeout + 30, cfg.engine.uds) as client:
             r = client.post(cfg.engine_url + "/v1/completions", json=body, headers=headers)
         return r.status_code == 200, time.monotonic() - t0, "" if r.status_code == 200 else f"HTTP {r.status_code}"
     except Exception as exc:  # noqa: BLE001 - reported, as a failed step

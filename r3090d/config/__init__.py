@@ -31,6 +31,7 @@ from r3090d.config.schema import (
     EmailConfig,
     EngineConfig,
     EngineKind,
+    EngineListen,
     GpuConfig,
     ModelConfig,
     PreflightConfig,
@@ -51,7 +52,7 @@ _ON_FIRST_USE = {
         "loading",
     ),
     **dict.fromkeys(("SECRET_MAX_BYTES", "read_secret", "redacted"), "secret"),
-    **dict.fromkeys(("engine_configs", "engine_port"), "models"),
+    **dict.fromkeys(("engine_configs", "engine_port", "socket_path"), "models"),
 }  # fmt: skip
 
 
@@ -82,6 +83,7 @@ __all__ = [
     "EmailConfig",
     "EngineConfig",
     "EngineKind",
+    "EngineListen",
     "GpuConfig",
     "ModelConfig",
     "PreflightConfig",

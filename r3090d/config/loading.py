@@ -24,7 +24,7 @@ from typing import Any
 
 from r3090d.cards import ANY_CARD, CARDS
 from r3090d.config.errors import ConfigError, format_message, show, toml_key
-from r3090d.config.models import model_dir_name, port_for
+from r3090d.config.models import model_dir_name, port_for, socket_path
 from r3090d.config.schema import (
     ARGV_BUDGET,
     DERIVED_FIELDS,
@@ -36,9 +36,11 @@ from r3090d.config.schema import (
     NAME_MAX,
     NO_PROFILE,
     PORTS_PER_INSTANCE,
+    UNIX_PATH_MAX,
     AlertmanagerConfig,
     Config,
     EngineKind,
+    EngineListen,
     ModelConfig,
     Profile,
     Spec,
@@ -122,6 +124,7 @@ def from_dict(data: dict, path: Path | str = "<config>", instance: int | None = 
     _check_instance(cfg, instance, path)
     _check_engine_ports(cfg, instance, path)
     cfg = _apply_instance(cfg, instance)
+    cfg = _place_socket(cfg, path)
     cfg = dataclasses.replace(cfg, source=str(path), instance=instance, warnings=warnings)
     _validate(cfg, path, check_files=check_files)
     return _read_api_keys(cfg, path) if check_files else cfg
@@ -156,6 +159,8 @@ def _check_mode(cfg: Config, data: dict, path) -> Config:
         for key, fix in _KEYS_OF_A_MODEL.items():
             if key in engine_table:
                 raise ConfigError(path, f"engine.{key}", "is one model's setting, and [[models]] lists the models (swap mode)", fix)
+        if "listen" not in engine_table:  # swap mode's engines serve on unix sockets unless the file says tcp
+            cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, listen=EngineListen.UDS))
     elif "swap" in data:
         raise ConfigError(path, "swap", "is set but there is no [[models]] entry", "add [[models]] entries to serve several models through the router, or remove [swap]")
     kinds = {m.kind for m in cfg.models} if cfg.models else {cfg.engine.kind}
@@ -185,12 +190,15 @@ def _check_instance(cfg: Config, instance: int | None, path) -> None:
 
 
 def _check_engine_ports(cfg: Config, instance: int | None, path) -> None:
-    """Swap mode: this instance's engine ports are ports, and none is a public or exporter port of any instance."""
+    """Swap mode: this instance's engine ports are ports, and none is a public or exporter port of any instance
+    (on engine.listen = "tcp": unix sockets use no port)."""
     if not cfg.models:
         return
     count = len(cfg.models)
     if count > MAX_MODELS:
         raise ConfigError(path, "models", f"lists {count} models, more than the {MAX_MODELS} engine ports each instance has", f"keep at most {MAX_MODELS} [[models]] entries")
+    if cfg.engine.listen is EngineListen.UDS:
+        return  # the engines serve on unix sockets: their ports are not used
     n = instance or 0
     base = cfg.swap.engine_port_base
     first, last = port_for(base, instance, 0), port_for(base, instance, count - 1)
@@ -232,6 +240,21 @@ def _apply_instance(cfg: Config, instance: int | None) -> Config:
             runtime_dir=str(Path(cfg.daemon.runtime_dir) / str(instance)),
         ),
     )
+
+
+def _place_socket(cfg: Config, path) -> Config:
+    """engine.listen = "uds": every engine's socket path fits a unix socket's; the one engine's is set here
+    (swap mode's engines get theirs in r3090d.config.models)."""
+    if cfg.engine.listen is not EngineListen.UDS:
+        return cfg
+    longest = socket_path(cfg.daemon.runtime_dir, max(len(cfg.models) - 1, 0))
+    size = len(longest.encode("utf-8", "surrogateescape"))
+    if size > UNIX_PATH_MAX:
+        raise ConfigError(path, "daemon.runtime_dir", f"makes the engines' socket paths too long for a unix socket ({longest}: {size} bytes, "
+                          f"the limit is {UNIX_PATH_MAX})", f"shorten daemon.runtime_dir by {size - UNIX_PATH_MAX} bytes or more")  # fmt: skip
+    if cfg.models:
+        return cfg
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, uds=socket_path(cfg.daemon.runtime_dir, 0)))
 
 
 # ---------------------------------------------------------------- migration
@@ -462,6 +485,7 @@ _OWNED_FLAGS = {
     "--served-model-name": "engine.served_model_name",
     "--api-key": "engine.api_key_file (the key must never be in argv)",
     "--shutdown-timeout": "engine.shutdown_timeout",
+    "--uds": 'engine.listen = "uds"',
 }
 
 
@@ -477,6 +501,7 @@ def _owned_flag_fixes_of_model(where: str) -> dict[str, str]:
         "--served-model-name": f"use {where}.name instead",
         "--api-key": f"use {where}.api_key_file instead (the key must never be in argv)",
         "--shutdown-timeout": "use engine.shutdown_timeout instead",
+        "--uds": "remove it: each engine serves on its own socket in daemon.runtime_dir/engines (engine.listen)",
     }
 
 

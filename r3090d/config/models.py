@@ -4,8 +4,9 @@ Pure: no I/O. The loader has already checked the entries and read their key
 files; this module only lays each entry over the shared settings:
 
 - the engine: the entry's model, served name, extra args, kind and key; [engine]'s
-  python and timeouts; engine.env with the entry's env on top; 127.0.0.1 and the
-  entry's own port (engine_port);
+  python, timeouts and listen; engine.env with the entry's env on top; its own unix
+  socket (socket_path), or 127.0.0.1 and its own port (engine_port) when engine.listen
+  is tcp;
 - the profile: the entry's, else the top-level one;
 - its own state directory, <state_dir>/models/<name> (the name as one path
   component, model_dir_name), so that records, baselines and forensics of two
@@ -20,10 +21,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import PurePosixPath
 
-from r3090d.config.schema import PORTS_PER_INSTANCE, Config, EngineKind, ModelConfig, SwapConfig
+from r3090d.config.schema import PORTS_PER_INSTANCE, Config, EngineKind, EngineListen, ModelConfig, SwapConfig
 
 ENGINE_HOST = "127.0.0.1"  # engines listen on loopback only; the router serves [engine].host
 MODELS_SUBDIR = "models"
+# The engines' sockets: a directory of daemon.runtime_dir that only the daemon's user may enter (mode 0700),
+# so no other local user reaches an engine's routes that vLLM serves without its key.
+SOCKETS_SUBDIR = "engines"
 
 # Characters a served name may hold that are also plain in a file name; the rest (":" and "/") are escaped.
 _PLAIN = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
@@ -37,6 +41,11 @@ def port_for(engine_port_base: int, instance: int | None, index: int) -> int:
 def engine_port(cfg: Config, index: int) -> int:
     """The 127.0.0.1 port of the engine of cfg.models[index]: swap.engine_port_base + 100 x instance + index."""
     return port_for(cfg.swap.engine_port_base, cfg.instance, index)
+
+
+def socket_path(runtime_dir: str, index: int) -> str:
+    """The unix socket of engine `index` (the one engine outside swap mode is 0): short, as a socket's path must be."""
+    return str(PurePosixPath(runtime_dir) / SOCKETS_SUBDIR / f"{index}.sock")
 
 
 def model_dir_name(name: str) -> str:
@@ -62,6 +71,7 @@ def _engine_config(cfg: Config, index: int, m: ModelConfig) -> Config:
         env={**cfg.engine.env, **m.env},
         host=ENGINE_HOST,
         port=engine_port(cfg, index),
+        uds=socket_path(cfg.daemon.runtime_dir, index) if cfg.engine.listen is EngineListen.UDS else "",
         api_key_file=m.api_key_file,
     )
     daemon = dataclasses.replace(

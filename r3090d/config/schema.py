@@ -29,6 +29,7 @@ MAX_GPU_INDEX = 63
 PORTS_PER_INSTANCE = 100
 MAX_MODELS = PORTS_PER_INSTANCE
 MAX_MODEL_NAME = 128  # a served model name: what clients send as "model"
+UNIX_PATH_MAX = 107  # a unix socket's path: sun_path is 108 bytes with the trailing NUL
 
 # NVML's clock event (throttle) reasons as probes.nvml.clock_reason_table names them
 # (pynvml's nvmlClocksEventReason* constants, CamelCase to snake_case), in bit order.
@@ -106,6 +107,14 @@ class EngineKind(StrEnum):
     EMBED = "embed"  # embedding or pooling: /v1/completions refuses it; no canary
 
 
+class EngineListen(StrEnum):
+    """Where an engine serves HTTP. vLLM checks its API key only under /v1, /v2, /inference and /cohere, so
+    a loopback port lets any local user use the rest (/invocations, /pooling, /pause, ...) without one."""
+
+    TCP = "tcp"  # engine.host:engine.port (in swap mode 127.0.0.1 and a port from swap.engine_port_base)
+    UDS = "uds"  # a unix socket in daemon.runtime_dir/engines, a directory only the daemon's user may enter
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     python: str = opt("/opt/r3090d-engine/bin/python", path=True)
@@ -119,6 +128,10 @@ class EngineConfig:
     extra_args: list = opt([], items=str)
     env: dict = opt({}, items=str)
     kind: EngineKind = opt(EngineKind.GENERATE)
+    # Not set in the file: uds in swap mode, tcp for the one engine (the loader decides).
+    listen: EngineListen = opt(EngineListen.TCP)
+    # Derived, never read from the file: the engine's socket when listen is uds (r3090d.config.models.socket_path).
+    uds: str = ""
 
 
 @dataclass(frozen=True)
@@ -361,6 +374,10 @@ class Config:
 
     @property
     def engine_url(self) -> str:
+        """The base URL of the engine's requests; on a unix socket (engine.uds) the host is a placeholder
+        (vLLM's uvicorn ignores it) and the client connects to the socket."""
+        if self.engine.uds:
+            return "http://localhost"
         host = self.engine.host
         if host in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
@@ -368,8 +385,13 @@ class Config:
             host = f"[{host}]"
         return f"http://{host}:{self.engine.port}"
 
+    @property
+    def engine_address(self) -> str:
+        """Where the engine serves, for people: unix:PATH, or its URL."""
+        return f"unix:{self.engine.uds}" if self.engine.uds else self.engine_url
 
-DERIVED_FIELDS = {"source", "instance", "api_key", "warnings"}
+
+DERIVED_FIELDS = {"source", "instance", "api_key", "warnings", "uds"}
 
 
 def resolve_profiles(cfg: Config) -> dict[str, Profile]:

@@ -86,6 +86,8 @@ def redacted(cfg: Config) -> dict:
     for entry, model in zip(data["models"], cfg.models, strict=True):
         entry["api_key"] = "<redacted>" if model.api_key else ""
     data["profiles"] = {k: dataclasses.asdict(v) for k, v in resolve_profiles(cfg).items()}
+    if not cfg.engine.uds:
+        del data["engine"]["uds"]  # derived: the one engine's socket; swap mode's engines are shown one by one
     return data
 
 

@@ -110,13 +110,13 @@ def resolve_hardware(gpu_memory_gib, bandwidth_gbs, *, need_memory: bool, card: 
     return planmod.Hardware(memory, bandwidth, ", ".join(sources))
 
 
-def read_engine_cache(url: str, timeout: float = 5.0, model_name: str = ""):
-    """(EngineCache, None) from a live engine's /metrics, or (None, why)."""
+def read_engine_cache(url: str, timeout: float = 5.0, model_name: str = "", uds: str = ""):
+    """(EngineCache, None) from a live engine's /metrics, or (None, why). `uds`: the engine's unix socket."""
     # Imported here: httpx is not loaded for every r3090ctl command that imports this module.
     from r3090d.probes import engine as engine_probe
     from r3090d.probes.http import engine_client
 
-    with engine_client() as client:  # the engine is reached directly, never through a proxy
+    with engine_client(uds=uds) as client:  # the engine is reached directly, never through a proxy
         text, why = engine_probe.fetch_metrics(client, url, timeout)
     if text is None:
         return None, why

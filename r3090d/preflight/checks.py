@@ -25,7 +25,8 @@ from packaging.version import Version
 
 from r3090d import exitcodes
 from r3090d.cards import CARDS, CardProfile
-from r3090d.config import Config
+from r3090d.config import Config, EngineListen
+from r3090d.config.models import port_for
 from r3090d.core.hostmemory import DEFAULT_HOST_MARGIN_MIB, ESTIMATED_BASE_RSS_MIB, HostMemory, parkable_count
 from r3090d.core.room import ENGINE_CONTEXT_MARGIN, engine_room, gpu_memory_utilization
 from r3090d.core.snapshot import GpuSample, GpuStatus, HostFacts
@@ -150,10 +151,12 @@ def run_checks(facts: PreflightFacts, cfg: Config) -> list[CheckResult]:
         check_swap(facts.host),
         check_swappiness(facts.host, cfg),
         check_governor(facts.host, cfg),
-        check_port(facts.host, facts.own_pids),
+        check_port(facts.host, facts.own_pids) if not cfg.engine.uds else
+        CheckResult("port", Status.SKIP, "not used", "", f"the engine serves on {cfg.engine.uds}"),
         check_vllm(facts, cfg),
     ]
     if getattr(cfg, "models", ()):  # swap mode
+        results.append(check_engine_listen(cfg))
         results.append(check_swap_budget(facts, cfg))
     return results
 
@@ -453,6 +456,18 @@ def check_port(host: HostFacts, own_pids: frozenset[int]) -> CheckResult:
     who = ", ".join(f"pid {h.pid}" + (f" ({h.name})" if h.name else "") for h in foreign if h.pid is not None)
     measured = f"port {port.port} in use ({port.detail})" + (f" by {who}" if who else "")
     return CheckResult("port", Status.FAIL, measured, expected, "stop that process or change engine.port", permanent=False)
+
+
+def check_engine_listen(cfg: Config) -> CheckResult:
+    """Swap mode: engines on TCP ports answer every local user on the routes vLLM serves without its key
+    (/invocations, /pooling, /pause, /sleep, ...), past the router's key and the arbiter's counts."""
+    expected = "each engine on a unix socket only the daemon's user can reach"
+    if cfg.engine.listen is EngineListen.UDS:
+        return CheckResult("engine_listen", Status.OK, f"unix sockets in {cfg.daemon.runtime_dir}/engines (mode 0700)", expected)
+    ports = [port_for(cfg.swap.engine_port_base, cfg.instance, i) for i in range(len(cfg.models))]
+    where = f"127.0.0.1:{ports[0]}" + (f"-{ports[-1]}" if len(ports) > 1 else "")
+    return CheckResult("engine_listen", Status.WARN, f"engines on TCP {where}: any local user can use vLLM's routes that take no key",
+                       expected, 'remove engine.listen = "tcp" (the engines then serve on unix sockets), unless a setup needs the ports')  # fmt: skip
 
 
 def check_vllm(facts: PreflightFacts, cfg: Config) -> CheckResult:

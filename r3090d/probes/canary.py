@@ -108,8 +108,9 @@ class CanaryProber(OffLoop[CanarySample]):
     """Sends one canary at a time in its own thread; the loop reads the latest result."""
 
     def __init__(self, base_url: str, model: str, api_key: str, cc: CanaryConfig, wake=None, *, sent_before: int = 0,
-                 unanswered_before: int = 0, persisted: CanaryAnswer | None = None):  # fmt: skip
+                 unanswered_before: int = 0, persisted: CanaryAnswer | None = None, uds: str = ""):  # fmt: skip
         super().__init__(CanarySample(), wake, sent_before, unanswered_before)
+        self._uds = uds
         self._url = base_url.rstrip("/") + "/v1/completions"
         self._model = model
         self._api_key = api_key
@@ -157,7 +158,7 @@ class CanaryProber(OffLoop[CanarySample]):
             headers["Authorization"] = f"Bearer {self._api_key}"
         body = request_body(self._cfg, self._model, secrets.token_hex(16))
         timeout = httpx.Timeout(self._cfg.timeout, connect=min(5.0, self._cfg.timeout))
-        with engine_client(timeout) as client:
+        with engine_client(timeout, self._uds) as client:
             with client.stream("POST", self._url, json=body, headers=headers) as resp:
                 if resp.status_code != 200:
                     raise CanaryError(f"HTTP {resp.status_code}")

@@ -423,6 +423,9 @@ def _classify(exc: BaseException, timeout: float) -> tuple[HealthStatus, str]:
     # httpx.ConnectError carries the OSError of the connect as its cause.
     if any(isinstance(e, ConnectionRefusedError) for e in chain):
         return HealthStatus.REFUSED, "connection refused"
+    # A unix socket not there (yet): nobody listens, as a refused port says.
+    if any(isinstance(e, FileNotFoundError) for e in chain):
+        return HealthStatus.REFUSED, "no socket"
     if any(_is_timeout(e) for e in chain):
         return HealthStatus.TIMEOUT, f"no answer within {timeout:g} s"
     return HealthStatus.ERROR, _short(f"{type(exc).__name__}: {exc}")
@@ -571,13 +574,14 @@ class EngineProbe:
         health_timeout: float,
         metrics_timeout: float,
         max_bytes: int = MAX_METRICS_BYTES,
+        uds: str = "",
     ):
         self.base_url = base_url
         self.model_name = model_name
         self.health_timeout = health_timeout
         self.metrics_timeout = metrics_timeout
         self.max_bytes = max_bytes
-        self._client = engine_client()
+        self._client = engine_client(uds=uds)
 
     def health(self) -> HealthSample:
         return probe_health(self._client, self.base_url, self.health_timeout)

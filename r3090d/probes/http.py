@@ -10,6 +10,10 @@ one of those look-ups in httpx, on redirects too.
 Redirects are followed, as a browser or curl -L would: an engine behind a path
 prefix may answer /metrics with a redirect to /metrics/. httpx drops the
 Authorization header on a redirect to another host.
+
+An engine on a unix socket (engine.listen = "uds") is reached through httpx's
+transport for it: the URL's host is then a placeholder, the socket is where
+every request goes.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ def _tls_context() -> ssl.SSLContext:
     return httpx.create_ssl_context(trust_env=False)
 
 
-def engine_client(timeout: httpx.Timeout | float = 5.0) -> httpx.Client:
+def engine_client(timeout: httpx.Timeout | float = 5.0, uds: str = "") -> httpx.Client:
     """An httpx client that reads nothing from the environment: no proxies, no .netrc.
 
     `timeout` is the client's default; the probes give their own on each request.
+    `uds`: the engine's unix socket, where every request goes; empty: TCP, to the URL's host.
     """
-    return httpx.Client(timeout=timeout, verify=_tls_context(), trust_env=False, follow_redirects=True)
+    transport = httpx.HTTPTransport(uds=uds, verify=_tls_context()) if uds else None
+    return httpx.Client(timeout=timeout, verify=_tls_context(), trust_env=False, follow_redirects=True, transport=transport)

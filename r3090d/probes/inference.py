@@ -91,8 +91,9 @@ PROBE_REQUESTS: dict[EngineKind, ProbeRequest] = {
 
 class InferenceProber(OffLoop[InferenceProbeSample]):
     def __init__(self, base_url: str, model: str, api_key: str, timeout: float, wake=None, *, sent_before: int = 0,
-                 unanswered_before: int = 0, kind: EngineKind = EngineKind.GENERATE):  # fmt: skip
+                 unanswered_before: int = 0, kind: EngineKind = EngineKind.GENERATE, uds: str = ""):  # fmt: skip
         super().__init__(InferenceProbeSample(), wake, sent_before, unanswered_before)
+        self._uds = uds
         self._probe = PROBE_REQUESTS[kind]
         self._url = base_url.rstrip("/") + self._probe.path
         self._model = model
@@ -140,7 +141,7 @@ class InferenceProber(OffLoop[InferenceProbeSample]):
         body = self._probe.body(self._model)
         timeout = httpx.Timeout(limit, connect=min(5.0, limit))
         deadline = time.monotonic() + limit
-        with engine_client(timeout) as client:
+        with engine_client(timeout, self._uds) as client:
             with client.stream("POST", self._url, json=body, headers=headers) as resp:
                 if resp.status_code != 200:
                     return False, f"HTTP {resp.status_code}"

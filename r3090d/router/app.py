@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -33,7 +32,7 @@ from r3090d.core.arbiter import RESIDENT
 from r3090d.router import replies
 from r3090d.router.link import EngineState
 from r3090d.router.linkclient import LinkClient
-from r3090d.router.upstream import BadAnswer, Unreachable, forward, session
+from r3090d.router.upstream import BadAnswer, Clients, Unreachable, forward
 from r3090d.router.waitroom import GaveUp, QueueTimeout, ShuttingDown, UnknownModel, Waitroom
 
 log = logging.getLogger("r3090d.router")
@@ -81,7 +80,7 @@ class Router:
         self.options = options
         self.waitroom = Waitroom(on_change=self._demand_changed)
         self.link = LinkClient(options.link, self.waitroom)
-        self.client: aiohttp.ClientSession | None = None
+        self.clients = Clients()
         self.started_unix = int(time.time())
         self._key_digest = _digest(options.api_key) if options.api_key else None
 
@@ -169,7 +168,7 @@ class Router:
     async def _send(self, request: web.Request, body: bytes, entry) -> web.StreamResponse:
         self.waitroom.started(entry.name)
         try:
-            return await forward(self.client, request, body, entry)
+            return await forward(self.clients, request, body, entry)
         finally:
             self.waitroom.finished(entry.name)
 
@@ -264,7 +263,6 @@ async def serve(options: Options) -> None:
     for up to `drain_timeout` s, close."""
     logging.getLogger("aiohttp.server").addFilter(OneLineHttpErrors())
     router = Router(options)
-    router.client = session()
     runner = web.AppRunner(router.application(), handler_cancellation=True, shutdown_timeout=options.drain_timeout,
                            access_log=None)  # fmt: skip
     await runner.setup()
@@ -287,4 +285,4 @@ async def serve(options: Options) -> None:
         await link_task
     except asyncio.CancelledError:
         pass
-    await router.client.close()
+    await router.clients.close()

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 # One vocabulary with the daemon: a model's kind is the config's, its state the arbiter's residency.
+from r3090d.config.schema import UNIX_PATH_MAX
 from r3090d.config.schema import EngineKind as ModelKind
 from r3090d.core.arbiter import Residency as EngineState
 
 MAX_LINE_BYTES = 1024 * 1024  # a table of dozens of models is a few kB; a longer line is not ours
 MAX_REASON_CHARS = 4096  # a give-up reason is a sentence; it goes into a client's error message
+UNIX_PREFIX = "unix:"  # an upstream on a unix socket: unix:/PATH
 
 
 class LinkError(ValueError):
@@ -43,7 +45,7 @@ class ModelEntry:
     kind: ModelKind
     state: EngineState
     routable: bool
-    upstream: str  # http://127.0.0.1:PORT, no path
+    upstream: str  # unix:/PATH (the engine's socket), or http://127.0.0.1:PORT, no path
     upstream_key: str = ""  # the engine's API key, empty when it has none
     reason: str = ""  # why the daemon gave up on it (state failed), for the clients' 503; empty otherwise
 
@@ -183,20 +185,7 @@ def _decode_entry(index: int, m: object) -> ModelEntry:
         raise LinkError(f"{where}.name must be a non-empty string of at most 256 characters")
     if not isinstance(m["routable"], bool):
         raise LinkError(f"{where}.routable must be true or false")
-    upstream = m["upstream"]
-    parts = urlsplit(upstream) if isinstance(upstream, str) else None
-    if (
-        parts is None
-        or parts.scheme != "http"
-        or not parts.hostname
-        or parts.path not in ("", "/")
-        or parts.query
-    ):
-        raise LinkError(f"{where}.upstream must be http://HOST:PORT, got {upstream!r}")
-    try:
-        parts.port  # noqa: B018 -- raises on a port out of range
-    except ValueError:
-        raise LinkError(f"{where}.upstream has a bad port: {upstream!r}") from None
+    upstream = _upstream(m["upstream"], where)
     key = m["upstream_key"]
     if not isinstance(key, str) or any(c in key for c in "\r\n\0"):
         raise LinkError(f"{where}.upstream_key must be a string of one line")
@@ -208,10 +197,33 @@ def _decode_entry(index: int, m: object) -> ModelEntry:
         kind=_enum(ModelKind, m["kind"], f"{where}.kind"),
         state=_enum(EngineState, m["state"], f"{where}.state"),
         routable=m["routable"],
-        upstream=upstream.rstrip("/"),
+        upstream=upstream,
         upstream_key=key,
         reason=reason,
     )
+
+
+def _upstream(upstream: object, where: str) -> str:
+    """unix:/PATH, or http://HOST:PORT without its trailing slash."""
+    if isinstance(upstream, str) and upstream.startswith(UNIX_PREFIX):
+        path = upstream[len(UNIX_PREFIX) :]
+        if not path.startswith("/") or "\0" in path or len(path.encode("utf-8", "surrogateescape")) > UNIX_PATH_MAX:
+            raise LinkError(f"{where}.upstream must name an absolute socket path of at most {UNIX_PATH_MAX} bytes, got {upstream!r}")
+        return upstream
+    parts = urlsplit(upstream) if isinstance(upstream, str) else None
+    if (
+        parts is None
+        or parts.scheme != "http"
+        or not parts.hostname
+        or parts.path not in ("", "/")
+        or parts.query
+    ):
+        raise LinkError(f"{where}.upstream must be unix:/PATH or http://HOST:PORT, got {upstream!r}")
+    try:
+        parts.port  # noqa: B018 -- raises on a port out of range
+    except ValueError:
+        raise LinkError(f"{where}.upstream has a bad port: {upstream!r}") from None
+    return upstream.rstrip("/")
 
 
 def _time(value: object, where: str) -> float | None:

@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from r3090d.router.link import ModelEntry
+from r3090d.router.link import UNIX_PREFIX, ModelEntry
 
 log = logging.getLogger("r3090d.router")
 
@@ -48,12 +48,22 @@ class BadAnswer(Exception):
     """The engine's answer was not HTTP that could be read; nothing was sent to the client yet."""
 
 
-def session() -> aiohttp.ClientSession:
-    """The one client session: no pool limit (every stream holds a connection), no proxy from the
-    environment, no overall timeout (a stream lasts as long as it generates), bodies passed as they are."""
-    connector = aiohttp.TCPConnector(
-        limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S, use_dns_cache=False
-    )
+# An engine on a unix socket: the URL's host is a placeholder (the connector goes to the socket).
+UNIX_BASE_URL = "http://localhost"
+
+
+def session(socket_path: str = "") -> aiohttp.ClientSession:
+    """A client session: no pool limit (every stream holds a connection), no proxy from the environment,
+    no overall timeout (a stream lasts as long as it generates), bodies passed as they are.
+    `socket_path`: every request goes to that unix socket; empty: TCP, to the URL's host."""
+    if socket_path:
+        connector: aiohttp.BaseConnector = aiohttp.UnixConnector(
+            path=socket_path, limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
+        )
+    else:
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S, use_dns_cache=False
+        )
     return aiohttp.ClientSession(
         connector=connector,
         trust_env=False,
@@ -63,6 +73,33 @@ def session() -> aiohttp.ClientSession:
         cookie_jar=aiohttp.DummyCookieJar(),
         raise_for_status=False,
     )
+
+
+class Clients:
+    """The sessions toward the engines: one for those on TCP ports, one per unix socket (aiohttp's
+    connector for a socket goes to that socket alone). Made on first use, inside the event loop."""
+
+    def __init__(self) -> None:
+        self._tcp: aiohttp.ClientSession | None = None
+        self._unix: dict[str, aiohttp.ClientSession] = {}
+
+    def url_for(self, entry: ModelEntry, raw_path: str) -> tuple[aiohttp.ClientSession, str]:
+        """The session that reaches `entry`'s engine, and the URL of `raw_path` there."""
+        if entry.upstream.startswith(UNIX_PREFIX):
+            path = entry.upstream[len(UNIX_PREFIX) :]
+            client = self._unix.get(path)
+            if client is None:
+                client = self._unix[path] = session(path)
+            return client, UNIX_BASE_URL + raw_path
+        if self._tcp is None:
+            self._tcp = session()
+        return self._tcp, entry.upstream + raw_path
+
+    async def close(self) -> None:
+        for client in [self._tcp, *self._unix.values()]:
+            if client is not None:
+                await client.close()
+        self._tcp, self._unix = None, {}
 
 
 def _connection_tokens(headers: CIMultiDictProxy[str]) -> set[str]:
@@ -87,10 +124,10 @@ def response_headers(incoming: CIMultiDictProxy[str]) -> CIMultiDict[str]:
 
 
 async def forward(
-    client: aiohttp.ClientSession, request: web.Request, body: bytes, entry: ModelEntry
+    clients: Clients, request: web.Request, body: bytes, entry: ModelEntry
 ) -> web.StreamResponse:
     """Sends `request` (its body already read) to `entry`'s engine and streams the answer back."""
-    url = entry.upstream + request.raw_path
+    client, url = clients.url_for(entry, request.raw_path)
     try:
         upstream = await client.request(
             request.method, url, data=body, headers=request_headers(request.headers, entry.upstream_key)

@@ -26,7 +26,7 @@ def run(config_path: str | None, instance: int | None, skip_preflight: bool) -> 
     argv = [] if cfg.models else argvmod.build_argv(cfg, version)  # swap mode: each model's engine has its own
     for warning in cfg.warnings:
         log.warning("%s", warning)
-    log.info("r3090d %s: config %s, vLLM %s, engine at %s", __version__, cfg.source, version, cfg.engine_url)
+    log.info("r3090d %s: config %s, vLLM %s, engine at %s", __version__, cfg.source, version, cfg.engine_address)
     from r3090d.effectors.alerts import AlertDispatcher
 
     gpu_monitor = None

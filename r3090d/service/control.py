@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from r3090d.config.schema import UNIX_PATH_MAX
 from r3090d.service import safedir
 from r3090d.service.control_protocol import (
     LOOP_TIMEOUT_S,
@@ -57,7 +58,6 @@ MAX_PENDING_OUTPUT = 4 * 1024 * 1024  # a client that does not read its replies 
 MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 5.0  # to send a (complete) request, and to read a reply
 LINGER_S = 1.0  # after a connection's last reply, for the client to close its side
-UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the trailing NUL
 
 
 # ------------------------------------------------------------------ server

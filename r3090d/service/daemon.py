@@ -21,13 +21,14 @@ from pathlib import Path
 
 from r3090d import __version__, exitcodes
 from r3090d.atomicfile import write_json_atomic
-from r3090d.config import Config
+from r3090d.config import Config, EngineListen
+from r3090d.config.models import socket_path
 from r3090d.core import policy
 from r3090d.core.snapshot import Snapshot
 from r3090d.core.vocabulary import Phase
 from r3090d.effectors.reaper import ChildReaper
 from r3090d.effectors.systemd import Notifier, watchdog_warning
-from r3090d.service import commands, resethold, safedir
+from r3090d.service import commands, enginesocket, resethold, safedir
 from r3090d.service.control import start_plane
 from r3090d.service.exporter import TickStats
 from r3090d.service.preflight_runner import PreflightRunner
@@ -213,6 +214,8 @@ class Daemon:
             # Another user able to swap control.sock or state.json could feed root's r3090ctl a fake state.
             safedir.ensure(self.cfg.daemon.state_dir, "daemon.state_dir")
             safedir.ensure(self.cfg.daemon.runtime_dir, "daemon.runtime_dir")
+            if self.cfg.engine.listen is EngineListen.UDS:  # no other user may reach an engine's unkeyed routes
+                enginesocket.ensure_directory(Path(socket_path(self.cfg.daemon.runtime_dir, 0)).parent)
         except safedir.UnsafeDirectory as exc:
             log.error("%s (config %s); exit %d", exc, self.cfg.source, exitcodes.CONFIG)
             self._close_helpers()

@@ -38,7 +38,7 @@ from r3090d.effectors import alertformat
 from r3090d.effectors.alertmanager_payload import model_key
 from r3090d.effectors.routerproc import RouterProcess, router_argv, router_env
 from r3090d.probes.hostmem import read_host_memory
-from r3090d.router.link import EngineState, ModelDemand, ModelEntry, ModelKind, Table
+from r3090d.router.link import UNIX_PREFIX, EngineState, ModelDemand, ModelEntry, ModelKind, Table
 from r3090d.service.report import model_doc, report, swap_document
 from r3090d.service.routerlink import LinkServer
 from r3090d.service.statedoc import HealingInfo, ModelFleetState, RouterInfo, StateDocument, SwapInfo
@@ -431,7 +431,7 @@ class Fleet:
             kind=ModelKind(unit.cfg.engine.kind.value),
             state=state,
             routable=routable,
-            upstream=unit.cfg.engine_url,
+            upstream=f"{UNIX_PREFIX}{os.path.abspath(unit.cfg.engine.uds)}" if unit.cfg.engine.uds else unit.cfg.engine_url,
             upstream_key=unit.cfg.api_key,
             reason=(st.give_up_reason or "") if state is EngineState.FAILED else "",
         )
@@ -499,7 +499,8 @@ class Fleet:
             d = demand.get(name)
             last_used = d.last_used_at + offset if d and d.last_used_at is not None else None
             models.append(model_doc(
-                name, engine_doc, kind=unit.cfg.engine.kind, residency=where, port=unit.cfg.engine.port, last_used=last_used,
+                name, engine_doc, kind=unit.cfg.engine.kind, residency=where, port=None if unit.cfg.engine.uds else unit.cfg.engine.port,
+                last_used=last_used,
                 host_bytes=host_bytes, gpu_bytes=gpu_bytes, swaps_in=rec.swaps_in, swaps_out=rec.swaps_out,
                 inflight=d.inflight if d else 0, waiting=d.waiting if d else 0, frozen=s.frozen_requests if s else 0,
                 fleet=rec.state(self.clock()),

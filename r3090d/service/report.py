@@ -73,7 +73,7 @@ def report(
             pid=snap.child.pid if snap.child.alive else None,
             tree_pids=list(snap.child.tree_pids),
             model=cfg.model_name,
-            url=cfg.engine_url,
+            url=cfg.engine_address,
             ready_since=wall(st.ready_since),
             generation=st.generation,
         ),
@@ -185,7 +185,7 @@ def preflight_report(
         written_at=written_at,
         # re-written at each re-check: that is its freshness
         daemon=daemon_info(identity, cfg, poll_interval=cfg.preflight.transient_retry_s),
-        engine=EngineInfo(state=Phase.STOPPED.value, phase=Phase.STOPPED, model=cfg.model_name, url=cfg.engine_url),
+        engine=EngineInfo(state=Phase.STOPPED.value, phase=Phase.STOPPED, model=cfg.model_name, url=cfg.engine_address),
         alert_book=previous.alert_book if previous is not None else AlertBookInfo(),
         restarts=restart_history(previous.restarts) if previous is not None else RestartsInfo(),
         preflight=summary,

@@ -41,17 +41,18 @@ class Sampler:
     def configure(self, cfg: Config) -> None:
         """New probes for a new config (a reload): URLs, timeouts and the API key may have changed."""
         wd = cfg.watchdog
-        self.probe = EngineProbe(cfg.engine_url, cfg.model_name, wd.health_timeout, wd.metrics_timeout)
+        uds = cfg.engine.uds
+        self.probe = EngineProbe(cfg.engine_url, cfg.model_name, wd.health_timeout, wd.metrics_timeout, uds=uds)
         # The count of probes sent (and of those never answered) carries over: the engine's completed requests still hold them.
         old_prober = self.prober
         self.prober = InferenceProber(cfg.engine_url, cfg.model_name, cfg.api_key, wd.probe_timeout, wake=self.wake,
                                       sent_before=old_prober.sent_total if old_prober else 0,
-                                      unanswered_before=old_prober.unanswered_total if old_prober else 0, kind=cfg.engine.kind)  # fmt: skip
+                                      unanswered_before=old_prober.unanswered_total if old_prober else 0, kind=cfg.engine.kind, uds=uds)  # fmt: skip
         # So does the earlier engine's baseline the current engine's first canary is compared with.
         old = self.canary
         self.canary = CanaryProber(cfg.engine_url, cfg.model_name, cfg.api_key, cfg.canary, wake=self.wake,
                                    sent_before=old.sent_total if old else 0, unanswered_before=old.unanswered_total if old else 0,
-                                   persisted=old.persisted if old else None)  # fmt: skip
+                                   persisted=old.persisted if old else None, uds=uds)  # fmt: skip
 
     def gpu(self) -> GpuSample:
         return self.gpu_monitor.latest(time.monotonic()) if self.gpu_monitor else GpuSample(GpuStatus.DISABLED)

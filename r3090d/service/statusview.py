@@ -405,13 +405,20 @@ def host_memory_line(swap: SwapInfo, *, no_gpu: bool = False) -> str:
     return f"Host RAM   {_gib(swap.host_parked_bytes)} of {budget} held by parked engines"
 
 
+def _engine_listener(m: ModelDoc) -> str:
+    """Where a model's engine serves: its port, or its unix socket (named on the Model line)."""
+    if m.port is not None:
+        return f"port {m.port}"
+    return "its unix socket" if m.engine.url.startswith("unix:") else "port ?"
+
+
 def _served_lines(d: StateDocument, m: ModelDoc, now: float) -> list[str]:
     """The lines a model's own panel adds to its engine's: where it is, how it is used, and the router it is served through."""
     kind = m.kind.value if m.kind is not None else "?"
     used = f"last used {ago(now - m.last_used)} ago" if m.last_used is not None else "never used"
     held = f"; holds {_gib(m.host_bytes)} of host memory parked" if m.host_bytes else ""
     lines = [
-        f"Served as  {m.name} ({kind}) on port {m.port if m.port is not None else '?'}: {m.residency_name}; {used}; "
+        f"Served as  {m.name} ({kind}) on {_engine_listener(m)}: {m.residency_name}; {used}; "
         f"swapped in {m.swaps_in}, out {m.swaps_out}{held}",
     ]
     if m.waiting or m.inflight or m.frozen:

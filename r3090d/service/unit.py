@@ -31,7 +31,8 @@ from r3090d.core.snapshot import Snapshot
 from r3090d.core.vocabulary import Phase
 from r3090d.effectors import alertformat
 from r3090d.effectors.child import DRAIN_MARGIN_S, EngineProcess
-from r3090d.service import baselines, commands, forensics
+from r3090d.service import baselines, commands, enginesocket, forensics
+from r3090d.service.safedir import UnsafeDirectory
 from r3090d.service.sampling import Sampler
 from r3090d.service.suspend import SuspendService
 
@@ -89,6 +90,8 @@ class EngineUnit:
                 self.baseline_beside = False
                 self.sampler.canary.reset(self.baselines.load(self.baseline_deps) if self.cfg.canary.enabled else None)
                 env = argvmod.engine_env(self.cfg, dict(os.environ))
+                if self.cfg.engine.uds:
+                    self._clear_socket()
                 self.engine.spawn(self.argv, env)
             elif isinstance(action, StopEngine):
                 how = "drained" if action.drain else "fast"
@@ -123,13 +126,19 @@ class EngineUnit:
                 self.suspend.execute(action, snap.child, self.sampler)
         return exit_code
 
+    def _clear_socket(self) -> None:
+        try:
+            enginesocket.clear_for_start(self.cfg.engine.uds)
+        except UnsafeDirectory as exc:  # the engine then fails to bind, and its start fails as any other
+            log.error("%s%s", self.label, exc)
+
     def log_transitions(self, old_phase: Phase, snap: Snapshot, status: str) -> bool:
         """The log lines of this tick's phase change; True when the engine has just become ready."""
         st, now = self.st, snap.now
         ready = st.phase is Phase.READY and old_phase not in (Phase.READY, Phase.RESUMING)  # a resume logs its own line
         if ready:
             took = now - (snap.child.started_at or now)
-            log.info("%sengine ready in %.1f s (pid %s) at %s: %s", self.label, took, snap.child.pid, self.cfg.engine_url, status)
+            log.info("%sengine ready in %.1f s (pid %s) at %s: %s", self.label, took, snap.child.pid, self.cfg.engine_address, status)
             if self.last_restart_record is not None:
                 forensics.mark_ready(self.last_restart_record, now - (st.last_restart_at or now))
                 self.last_restart_record = None

@@ -47,12 +47,12 @@ def write_atomically(path: Path, data) -> None:
 
 
 def swap_config(tmp: Path, engine_python: str, runtime_dir: Path, *, models=("alpha", "beta"), swap=None, gpu=True, extra=None,
-                kinds=None, watchdog=None) -> tuple[Path, int, int]:  # fmt: skip
+                kinds=None, watchdog=None, listen=None) -> tuple[Path, int, int]:  # fmt: skip
     """A swap-mode config: one [[models]] entry per name, each a directory of its own (`kinds`: name -> kind).
     (path, router port, exporter port)."""
     port, exporter = free_port(), free_port()
     lines = ['profile = "none"', "[engine]", f"python = {toml_value(engine_python)}", 'host = "127.0.0.1"', f"port = {port}",
-             "shutdown_timeout = 5", "startup_timeout = 60"]  # fmt: skip
+             "shutdown_timeout = 5", "startup_timeout = 60"] + ([f"listen = {toml_value(listen)}"] if listen else [])  # fmt: skip
     for name in models:
         model = tmp / f"model-{name}"
         model.mkdir(exist_ok=True)
@@ -173,6 +173,14 @@ class SwapRig:
 
     def model(self, st: dict, name: str) -> dict:
         return next(m for m in st["models"] if m["name"] == name)
+
+    def engine_get(self, st: dict, name: str, path: str) -> httpx.Response:
+        """GET `path` from `name`'s engine itself, on its unix socket (or its port), as the daemon's user."""
+        address = self.model(st, name)["engine"]["url"]
+        if address.startswith("unix:"):
+            with httpx.Client(transport=httpx.HTTPTransport(uds=address.removeprefix("unix:")), trust_env=False, timeout=5.0) as c:
+                return c.get("http://localhost" + path)
+        return httpx.get(f"http://127.0.0.1:{self.model(st, name)['port']}{path}", timeout=5.0, trust_env=False)
 
     def wait_model(self, name: str, residency: str, timeout: float = BOUND) -> dict:
         return self.proc.wait_for(lambda st: st if self.model(st, name)["residency"] == residency else None, timeout, f"{name} {residency}")
@@ -319,10 +327,9 @@ def test_an_embedding_model_is_probed_with_embeddings_and_served_through_the_rou
     assert out.status_code == 200, out.text
     assert [d["index"] for d in out.json()["data"]] == [0, 1]
     st = r.wait_model("search", "ready")
-    port = r.model(st, "search")["port"]
     # The liveness probe of an embedding engine is a 1-input embedding request, never a completion.
     r.proc.wait_for(lambda st: r.model(st, "search")["inference"]["ok"] is True, BOUND, "a passing probe of the embedding engine")
-    log = httpx.get(f"http://127.0.0.1:{port}/fake/requests", timeout=5.0, trust_env=False).json()["requests"]
+    log = r.engine_get(st, "search", "/fake/requests").json()["requests"]
     paths = {e["path"] for e in log if e["method"] == "POST"}
     assert "/v1/embeddings" in paths and "/v1/completions" not in paths, paths
     assert r.model(st, "search")["canary"]["enabled"] is False
@@ -392,8 +399,7 @@ def test_a_cold_started_model_is_routed_only_after_its_first_canary(swap_rig):
     r = swap_rig(gpu=False)
     assert r.complete("beta", tokens=3).status_code == 200
     st = r.wait_model("beta", "ready")
-    port = r.model(st, "beta")["port"]
-    log = httpx.get(f"http://127.0.0.1:{port}/fake/requests", timeout=5.0, trust_env=False).json()["requests"]
+    log = r.engine_get(st, "beta", "/fake/requests").json()["requests"]
     completions = [e for e in log if e["method"] == "POST" and e["path"] == "/v1/completions"]
     assert completions and "logprobs" in json.dumps(completions[0].get("body")), completions[:2]  # the canary went first
     assert st["swap"]["last"]["canary_s"] is not None

@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--uds", default=None)  # a unix socket path: --host and --port are then ignored, as vLLM does
     p.add_argument("--shutdown-timeout", type=int, default=0)
     p.add_argument("--disable-access-log-for-endpoints")  # vLLM >= 0.16: the daemon passes /health,/metrics
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -837,6 +838,12 @@ class Server(ThreadingHTTPServer):
 
     def server_bind(self):
         # HTTPServer.server_bind would resolve the host name (getfqdn), which can stall for seconds.
+        if self.address_family == socket.AF_UNIX:
+            # As vLLM's create_server_unix_socket: a plain bind, nothing removed first (a socket left there: EADDRINUSE).
+            self.socket.bind(self.server_address)
+            self.server_address = self.socket.getsockname()
+            self.server_name, self.server_port = str(self.server_address), None
+            return
         socketserver.TCPServer.server_bind(self)
         self.server_name = str(self.server_address[0])
         self.server_port = self.server_address[1]
@@ -875,9 +882,10 @@ class Handler(BaseHTTPRequestHandler):
         super().send_response(code, message)
         if self.entry is not None:
             self.entry["status"] = code
-        host, port = self.client_address[:2]
+        # A unix socket's client has no address (uvicorn then logs none either).
+        peer = f"{self.client_address[0]}:{self.client_address[1]}" if isinstance(self.client_address, tuple) else "unix"
         phrase = self.responses.get(code, ("",))[0]
-        uvicorn_log(f'{host}:{port} - "{self.command} {self.path} {self.request_version}" {code} {phrase}')
+        uvicorn_log(f'{peer} - "{self.command} {self.path} {self.request_version}" {code} {phrase}')
 
     # -- plumbing
     def _json(self, status: int, obj, extra_headers: dict | None = None) -> None:
@@ -943,6 +951,7 @@ class Handler(BaseHTTPRequestHandler):
         "/v1/chat/completions": {"POST": "chat_completions"},
         "/v1/embeddings": {"POST": "embeddings"},
         "/tokenize": {"POST": "tokenize"},
+        "/invocations": {"POST": "invocations"},
         "/fake/state": {"GET": "fake_state"},
         "/fake/requests": {"GET": "fake_requests"},
         "/fake/control": {"POST": "fake_control"},
@@ -1048,6 +1057,17 @@ class Handler(BaseHTTPRequestHandler):
         count = prompt_token_count(body, chat)  # the count usage reports for the same prompt
         # Stand-in ids: the double has no vocabulary, only a count.
         self._json(200, {"count": count, "max_model_len": app.opts.max_model_len, "tokens": list(range(count))})
+
+    def route_invocations(self):
+        """vLLM's /invocations (SageMaker's route), outside /v1 and so without the API key: a chat, an embedding
+        or a completion, told apart by the body."""
+        body = self._body_json()
+        if "messages" in body:
+            self._generate(chat=True)
+        elif "input" in body:
+            self.route_embeddings()
+        else:
+            self._generate(chat=False)
 
     def route_embeddings(self):
         app = self.server.app
@@ -1250,6 +1270,16 @@ class Lifecycle:
             signal.signal(signum, lambda s, _f: self.app.events.put(("signal", s)))
 
     def bind(self) -> None:
+        if self.opts.uds:
+            self.app.httpd = Server(self.opts.uds, self.app, socket.AF_UNIX)
+            try:
+                self.app.httpd.server_bind()
+            except OSError as e:
+                log(f"failed to bind {self.opts.uds}: [Errno {e.errno}] {e.strerror}", "ERROR")
+                exit_now(1)
+            self.app.port = None
+            self.listen_address = f"unix:{self.opts.uds}"
+            return
         host = self.opts.host or "0.0.0.0"
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.app.httpd = Server((host, self.opts.port), self.app, family)
@@ -1259,7 +1289,7 @@ class Lifecycle:
             log(f"failed to bind {host}:{self.opts.port}: [Errno {e.errno}] {e.strerror}", "ERROR")
             exit_now(1)
         self.app.port = self.app.httpd.server_port
-        self.host = host
+        self.listen_address = f"http://{host}:{self.app.port}"
 
     def fail_start(self, code: int, message: str) -> None:
         """As vLLM 0.32 fails a start: EngineCore prints the real exception, then the
@@ -1313,7 +1343,7 @@ class Lifecycle:
         app = self.app
         app.httpd.server_activate()
         threading.Thread(target=app.httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="http", daemon=True).start()
-        log(f"Starting vLLM server on http://{self.host}:{app.port}")
+        log(f"Starting vLLM server on {self.listen_address}")
         uvicorn_log(f"Started server process [{os.getpid()}]")
         uvicorn_log("Waiting for application startup.")
         uvicorn_log("Application startup complete.")

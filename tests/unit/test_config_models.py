@@ -16,7 +16,7 @@ import pytest
 from r3090d import argv as argvmod
 from r3090d import config as configmod
 from r3090d import exitcodes
-from r3090d.config import ConfigError, EngineKind, SwapConfig
+from r3090d.config import ConfigError, EngineKind, EngineListen, SwapConfig
 from r3090d.config.models import engine_configs, engine_port, model_dir_name
 
 REPO = Path(__file__).resolve().parents[2]
@@ -151,12 +151,14 @@ def test_each_model_becomes_a_single_engine_config():
     assert chat.engine.extra_args == ["--enforce-eager"] and chat.engine.kind is EngineKind.GENERATE
     assert chat.engine.env == {"SHARED": "1", "OVERRIDDEN": "chat"}  # the entry's env over engine.env
     assert chat.engine.python == cfg.engine.python and chat.engine.startup_timeout == cfg.engine.startup_timeout
-    assert (chat.engine.host, chat.engine.port) == ("127.0.0.1", 18100) and chat.engine_url == "http://127.0.0.1:18100"
+    # Each engine serves on its own unix socket in runtime_dir (swap mode's default): no port, no host in its URL.
+    assert chat.engine.listen is EngineListen.UDS and chat.engine.uds == "/run/r3090d/engines/0.sock"
+    assert chat.engine_url == "http://localhost" and chat.engine_address == "unix:/run/r3090d/engines/0.sock"
     assert chat.profile == "none" and chat.active_profile is None  # the top-level profile
     assert chat.canary.enabled and chat.daemon.state_dir == "/var/lib/r3090d/models/chat"
 
     assert embed.engine.kind is EngineKind.EMBED and embed.engine.env == {"SHARED": "1", "OVERRIDDEN": "engine"}
-    assert embed.engine.port == 18101 and embed.engine.extra_args == []
+    assert embed.engine.uds == "/run/r3090d/engines/1.sock" and embed.engine.extra_args == []
     assert embed.profile == "batch" and embed.active_profile == configmod.BUILTIN_PROFILES["batch"]
     assert not embed.canary.enabled  # an embedding engine refuses the canary's completion
 
@@ -165,6 +167,40 @@ def test_each_model_becomes_a_single_engine_config():
         assert not engine.daemon.exporter_enabled  # the node's one exporter is the daemon's
         assert engine.daemon.runtime_dir == cfg.daemon.runtime_dir and engine.watchdog == cfg.watchdog
     assert cfg.engine.port == 8000 and cfg.engine.model == ""  # the shared Config is left as it was
+    assert cfg.engine.uds == "" and cfg.engine_url == "http://127.0.0.1:8000"  # the router's address stays TCP
+
+
+def test_engines_on_tcp_get_their_ports_when_the_file_asks():
+    engines = engine_configs(load(swap_doc(engine={"listen": "tcp"})))
+    chat, embed = engines["chat"], engines["embed"]
+    assert chat.engine.listen is EngineListen.TCP and chat.engine.uds == "" and embed.engine.uds == ""
+    assert (chat.engine.host, chat.engine.port) == ("127.0.0.1", 18100) and chat.engine_url == "http://127.0.0.1:18100"
+    assert embed.engine.port == 18101 and embed.engine_address == "http://127.0.0.1:18101"
+
+
+@pytest.mark.parametrize("instance, runtime, sockets", [
+    (None, "/run/r3090d", ["/run/r3090d/engines/0.sock", "/run/r3090d/engines/1.sock"]),
+    (3, "/run/r3090d", ["/run/r3090d/3/engines/0.sock", "/run/r3090d/3/engines/1.sock"]),
+    (None, "build/run", ["build/run/engines/0.sock", "build/run/engines/1.sock"]),
+])  # fmt: skip
+def test_each_engines_socket_is_in_its_instances_runtime_dir(instance, runtime, sockets):
+    cfg = load(swap_doc(daemon={"runtime_dir": runtime}), instance)
+    assert [e.engine.uds for e in engine_configs(cfg).values()] == sockets
+
+
+def test_a_runtime_dir_too_long_for_the_engines_sockets_is_one_line():
+    fits = "/" + "r" * (107 - len("/engines/1.sock") - 1)  # the last engine's socket: exactly 107 bytes
+    assert len(engine_configs(load(swap_doc(daemon={"runtime_dir": fits})))["embed"].engine.uds) == 107
+    refused(swap_doc(daemon={"runtime_dir": fits + "r"}), key="daemon.runtime_dir", problem="too long for a unix socket (",
+            fix="shorten daemon.runtime_dir by 1 bytes or more")  # fmt: skip
+    # On TCP the engines have no socket, and the same directory is fine.
+    load(swap_doc(engine={"listen": "tcp"}, daemon={"runtime_dir": fits + "r"}))
+
+
+def test_uds_in_a_models_extra_args_is_refused():
+    models = copy.deepcopy(swap_doc()["models"])
+    models[0]["extra_args"] = ["--uds", "/tmp/x.sock"]
+    refused(swap_doc(models=models), key="models[0].extra_args[0]", problem="--uds is set by r3090d", fix="remove it: each engine serves")
 
 
 def test_a_canary_switched_off_stays_off_for_every_engine():
@@ -191,10 +227,22 @@ def test_an_engine_config_builds_the_single_engine_command_line_and_environment(
     argv = argvmod.build_argv(chat, argvmod.parse_version("0.32.0"))
     assert argv[argv.index("--model") + 1] == "/srv/models/chat"
     assert argv[argv.index("--served-model-name") + 1] == "chat"
-    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "18100"
+    # vLLM ignores --host and --port with --uds: they are not passed, so ps shows no port.
+    assert argv[argv.index("--uds") + 1] == "/run/r3090d/engines/0.sock" and "--port" not in argv and "--host" not in argv
     assert argv[-1] == "--enforce-eager" and "sk-chat" not in " ".join(argv)
     env = argvmod.engine_env(chat, {"PATH": "/bin"})
     assert env["VLLM_API_KEY"] == "sk-chat" and env["SHARED"] == "1" and env["OVERRIDDEN"] == "chat"
+
+    on_tcp = argvmod.build_argv(engine_configs(load(swap_doc(engine={"listen": "tcp"})))["chat"], argvmod.parse_version("0.32.0"))
+    assert on_tcp[on_tcp.index("--host") + 1] == "127.0.0.1" and on_tcp[on_tcp.index("--port") + 1] == "18100"
+    assert "--uds" not in on_tcp
+
+
+def test_a_vllm_without_uds_is_a_config_error_naming_engine_listen():
+    chat = engine_configs(load(swap_doc()))["chat"]
+    with pytest.raises(ConfigError) as err:
+        argvmod.build_argv(chat, argvmod.parse_version("0.8.5"))
+    assert err.value.key == "engine.listen" and "--uds needs vLLM >= 0.9.0rc1" in err.value.one_line()
 
 
 @pytest.mark.parametrize("instance, ports", [(None, [18100, 18101]), (0, [18100, 18101]), (3, [18400, 18401]), (63, [24400, 24401])])
@@ -332,7 +380,11 @@ def test_no_canary_without_a_generative_model():
     ],
 )  # fmt: skip
 def test_engine_ports_are_checked_against_every_instances_ports(sections, instance, problem, fix):
-    refused(swap_doc(**sections), key="swap.engine_port_base", problem=problem, fix=fix, instance=instance)
+    on_tcp = swap_doc(**sections)
+    on_tcp["engine"] = {**on_tcp["engine"], "listen": "tcp"}
+    refused(on_tcp, key="swap.engine_port_base", problem=problem, fix=fix, instance=instance)
+    # On unix sockets (the default) the engines use no port: nothing to clash.
+    assert load(swap_doc(**sections), instance).engine.listen is EngineListen.UDS
 
 
 def test_the_exporters_ports_are_free_for_engines_when_it_is_off():
@@ -377,7 +429,8 @@ def write_swap_config(tmp_path: Path, engine_python: str, **sections) -> Path:
         model.mkdir(exist_ok=True)
         entry["model"] = str(model)
     path = tmp_path / "r3090d.toml"
-    lines = ['profile = "none"', "[engine]", f'python = "{engine_python}"', "port = 8000", "[gpu]", "required = false"]
+    lines = ['profile = "none"', "[engine]", f'python = "{engine_python}"', "port = 8000", "[gpu]", "required = false", "[daemon]",
+             f'runtime_dir = "{tmp_path / "run"}"']  # fmt: skip
     for entry in data["models"]:
         lines.append("[[models]]")
         lines += [f"{k} = {json.dumps(v)}" for k, v in entry.items() if k != "env"]
@@ -389,22 +442,44 @@ def test_config_check_shows_every_models_engine(tmp_path, fake_engine_python):
     path = write_swap_config(tmp_path, fake_engine_python)
     done = subprocess.run([*CTL, "config", "check", "--config", str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    run = str(tmp_path / "run")
     assert "models: 2, served by the router on 127.0.0.1:8000" in done.stdout
-    assert re.search(r"^  chat +generate +127\.0\.0\.1:18100 +profile none +\S+model0$", done.stdout, re.M), done.stdout
-    assert re.search(r"^  embed +embed +127\.0\.0\.1:18101 +profile batch +\S+model1$", done.stdout, re.M), done.stdout
-    assert "argv chat: " in done.stdout and "--served-model-name chat --host 127.0.0.1 --port 18100" in done.stdout
-    assert "--served-model-name embed --host 127.0.0.1 --port 18101" in done.stdout
+    assert re.search(rf"^  chat +generate +unix:{re.escape(run)}/engines/0\.sock +profile none +\S+model0$", done.stdout, re.M), done.stdout
+    assert re.search(rf"^  embed +embed +unix:{re.escape(run)}/engines/1\.sock +profile batch +\S+model1$", done.stdout, re.M), done.stdout
+    assert "argv chat: " in done.stdout and f"--served-model-name chat --uds {run}/engines/0.sock" in done.stdout
+    assert f"--served-model-name embed --uds {run}/engines/1.sock" in done.stdout
 
-    done = subprocess.run([*CTL, "config", "check", "--json", "--config", str(path)], capture_output=True, text=True, timeout=120)
+    # The file as an argument, as well as with --config.
+    done = subprocess.run([*CTL, "config", "check", "--json", str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["argv"] is None
-    assert [(e["name"], e["kind"], e["model"], e["port"], e["profile"]) for e in out["engines"]] == [
-        ("chat", "generate", str(tmp_path / "model0"), 18100, "none"),
-        ("embed", "embed", str(tmp_path / "model1"), 18101, "batch"),
+    assert [(e["name"], e["kind"], e["model"], e["listen"], e["socket"], e["port"], e["profile"]) for e in out["engines"]] == [
+        ("chat", "generate", str(tmp_path / "model0"), "uds", f"{run}/engines/0.sock", None, "none"),
+        ("embed", "embed", str(tmp_path / "model1"), "uds", f"{run}/engines/1.sock", None, "batch"),
     ]
-    assert out["engines"][1]["argv"][out["engines"][1]["argv"].index("--port") + 1] == "18101"
-    assert out["config"]["models"][1]["kind"] == "embed"
+    for engine in out["engines"]:
+        assert engine["argv"][engine["argv"].index("--uds") + 1] == engine["socket"]
+        assert "--port" not in engine["argv"] and "--host" not in engine["argv"]
+    assert out["config"]["models"][1]["kind"] == "embed" and out["config"]["engine"]["listen"] == "uds"
+
+
+def test_config_check_shows_engine_ports_when_the_file_asks_for_tcp(tmp_path, fake_engine_python):
+    path = write_swap_config(tmp_path, fake_engine_python)
+    path.write_text(path.read_text().replace("[engine]\n", '[engine]\nlisten = "tcp"\n', 1))
+    done = subprocess.run([*CTL, "config", "check", "--json", "--config", str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert [(e["listen"], e["host"], e["port"], e["socket"]) for e in out["engines"]] == [("tcp", "127.0.0.1", 18100, None),
+                                                                                        ("tcp", "127.0.0.1", 18101, None)]  # fmt: skip
+    assert out["engines"][1]["argv"][out["engines"][1]["argv"].index("--port") + 1] == "18101" and "--uds" not in out["engines"][1]["argv"]
+
+
+def test_config_check_refuses_two_different_files(tmp_path, fake_engine_python):
+    path = write_swap_config(tmp_path, fake_engine_python)
+    done = subprocess.run([*CTL, "config", "check", "--config", str(path), str(tmp_path / "other.toml")], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == exitcodes.USAGE and "two config files given" in done.stderr
 
 
 def test_config_check_names_the_model_entry_of_an_error(tmp_path, fake_engine_python):
