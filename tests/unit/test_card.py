@@ -218,3 +218,44 @@ def test_card_conditions_without_a_gpu_required_are_none():
         rules.card_conditions(snap(1.0, gpu=GPUS["hot-full-throttled"]), rules.WatchState(), c, Phase.READY)
         == []
     )
+
+
+# ------------------------------------------------------------------ NVML blindness: the card's, once
+
+
+BROKEN_NVML = GpuSample(GpuStatus.ERROR, "nvmlDeviceGetMemoryInfo: Unknown Error")
+
+
+def blind_keys(actions) -> list[tuple[str, str]]:
+    return [(a.key, a.state.value) for a in actions if isinstance(a, SendAlert) and a.key == "watchdog_blind"]
+
+
+def test_nvml_blindness_is_one_watchdog_blind_of_the_card():
+    c = cfg(blind_polls=3)
+    st = CardState()
+    fired = []
+    for t in range(1, 6):
+        acts, st = decide_card(snap(float(t), gpu=BROKEN_NVML), st, c, float(t), serving=False)
+        fired += [(t, *k) for k in blind_keys(acts)]
+    assert fired == [(3, "watchdog_blind", "firing")]  # at the third failing poll
+    entry = dict(st.alerts.entries)["watchdog_blind"]
+    assert "NVML failing for" in entry.summary and "Unknown Error" in entry.summary
+    acts, st = decide_card(snap(6.0, gpu=card(6.0)), st, c, 6.0, serving=False)
+    assert blind_keys(acts) == [("watchdog_blind", "resolved")]
+
+
+def test_an_engine_judged_apart_from_the_card_is_not_blind_for_nvml_but_for_its_metrics():
+    c = cfg(blind_polls=3)
+    _, st = drive_to_ready(c)
+    keys = []
+    for t in range(2, 8):
+        acts, st = policy.decide(snap(float(t), child(1, pid=API, tree=TREE), metrics=IDLE, gpu=BROKEN_NVML), st, c, float(t), card=False)
+        keys += blind_keys(acts)
+    assert keys == []  # swap mode: the card's alert, not one per model
+    broken_metrics = MetricsSample(error="connection refused")
+    for t in range(8, 14):
+        acts, st = policy.decide(snap(float(t), child(1, pid=API, tree=TREE), metrics=broken_metrics, gpu=card(float(t))), st, c,
+                                 float(t), card=False)  # fmt: skip
+        keys += blind_keys(acts)
+    assert keys == [("watchdog_blind", "firing")]
+    assert "NVML" not in dict(st.alerts.entries)["watchdog_blind"].summary
