@@ -18,6 +18,7 @@ from r3090d.service import commands, resethold
 from r3090d.service.daemon import STARTING_POLL_S, Daemon, collect_garbage
 from r3090d.service.fleet import Fleet
 from r3090d.service.report import status_line
+from r3090d.service.state import carried_over
 from r3090d.service.statedoc import FiringAlert
 
 log = logging.getLogger("r3090d")
@@ -45,7 +46,12 @@ class SwapDaemon(Daemon):
         code = self.preflight_or_skip()
         if code is not None:
             return code
-        self.fleet.card = dataclasses.replace(self.fleet.card, reset_hold=self.load_reset_hold())
+        # As in single mode, each engine goes on from its predecessor's alerts and restarts (each model's in its own
+        # state directory), and the card from its alerts (in the state file, which preflight keeps them in).
+        for unit in self.fleet.units.values():
+            unit.carry_on(self.offset)
+        card_book, _ = carried_over(self.state_path, self.offset)
+        self.fleet.card = dataclasses.replace(self.fleet.card, alerts=card_book, reset_hold=self.load_reset_hold())
         return None
 
     def start_loop(self) -> None:
@@ -62,6 +68,8 @@ class SwapDaemon(Daemon):
         old_hold = self.fleet.card.reset_hold
         gpu_name = self.gpu_identity[0] if self.gpu_identity else None
         code = self.fleet.tick(shutdown=self.shutdown, alerts=self.alerts, gpu_name=gpu_name)
+        for unit in self.fleet.units.values():
+            unit.hand_on(self.offset)
         first = next(iter(self.fleet.snaps.values()))
         if first.gpu.usable:
             self.gpu_identity = (first.gpu.name, first.gpu.index, first.gpu.uuid)
