@@ -19,7 +19,7 @@ from r3090d.core.suspension import pick_target
 from r3090d.effectors.suspender import Suspender
 from r3090d.preflight.checks import CheckResult, PreflightFacts, run_checks
 from r3090d.probes import nvml as nvmlprobe
-from r3090d.probes.host import gather_host
+from r3090d.probes.host import gather_host, local_model
 from r3090d.probes.hostmem import read_host_memory
 
 DEFAULT_NVML_TIMEOUT_S = 10.0
@@ -117,6 +117,7 @@ def gather(
         checkpoint_state=checkpoint_state(gpu, own_pids) if cfg.gpu.required else None,
         ptrace_scope=read_ptrace_scope(root),
         host_memory=_host_memory(root) if getattr(cfg, "models", ()) else None,
+        models=tuple((m.name, local_model(m.model)) for m in getattr(cfg, "models", ())),
     )
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 
 from r3090d.core.snapshot import HostFacts, PortFacts, PortHolder
-from r3090d.measure.modelinfo import read_model_dir
+from r3090d.measure.modelinfo import ModelFacts, read_model_dir
 
 # Connections a server's port can carry after its listener is gone (accepted
 # sockets still open or closing). They keep a plain bind() out, but not the
@@ -145,7 +145,7 @@ def check_port(host: str, port: int) -> PortFacts:
 
 def gather_host(engine_host: str, engine_port: int, model_path: str | None, root: Path | str = "/") -> HostFacts:
     swap, devices = read_swap(root)
-    model = read_model_dir(model_path) if model_path and _is_local_path(model_path) else None
+    model = local_model(model_path)
     return HostFacts(
         swap_total_bytes=swap,
         swap_devices=devices,
@@ -154,6 +154,11 @@ def gather_host(engine_host: str, engine_port: int, model_path: str | None, root
         port=check_port(engine_host, engine_port),
         model=model,
     )
+
+
+def local_model(model_path: str | None) -> ModelFacts | None:
+    """What a model directory holds; None for a hub name (or no model)."""
+    return read_model_dir(model_path) if model_path and _is_local_path(model_path) else None
 
 
 def _is_local_path(model: str) -> bool:
