@@ -14,7 +14,7 @@ import time
 from r3090d.core.actions import SaveSuspension
 from r3090d.core.vocabulary import Phase
 from r3090d.effectors.alertmanager_payload import model_key
-from r3090d.service import commands, resethold
+from r3090d.service import commands, resethold, swapreload
 from r3090d.service.daemon import STARTING_POLL_S, Daemon, collect_garbage
 from r3090d.service.fleet import Fleet
 from r3090d.service.report import status_line
@@ -118,10 +118,14 @@ class SwapDaemon(Daemon):
 
     # ------------------------------------------------------------------ control
 
+    def reload(self) -> tuple[str, str]:
+        return swapreload.reload(self)
+
     def control(self, request: dict) -> dict:
         cmd = request.get("cmd")
         if cmd == "reload":
-            return {"ok": False, "error": "a reload of a swap-mode config is a daemon restart: systemctl restart r3090d"}
+            status, text = self.reload()
+            return {"ok": status == "ok", "message" if status == "ok" else "error": text}
         if cmd == "silence":
             # An engine's alert is keyed KEY:MODEL outside it (Fleet labels them); its own book knows KEY.
             key, _, model = request["alert"].partition(":")
