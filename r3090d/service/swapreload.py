@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 
 from r3090d import argv as argvmod
 from r3090d import config as configmod
@@ -47,6 +48,16 @@ def needs_daemon_restart(old: Config, new: Config) -> list[str]:
     return keys
 
 
+@dataclass(frozen=True)
+class EngineChange:
+    """One engine's part of an accepted reload."""
+
+    cfg: Config
+    argv: list[str]
+    restart: bool = False  # restarted now, drained, in place on the card
+    text: str = ""  # what becomes of its changed settings; "" when nothing changed
+
+
 def reload(daemon) -> tuple[str, str]:
     """SwapDaemon.reload: apply a new config file to the daemon and its engines (in its loop), or refuse it and
     change nothing. ("ok" | "error", one line.)"""
@@ -54,11 +65,11 @@ def reload(daemon) -> tuple[str, str]:
         new = configmod.load(daemon.cfg.source, daemon.cfg.instance)
         keys = needs_daemon_restart(daemon.cfg, new)
         if keys:
-            raise ConfigError(new.source, keys[0].split(" ")[0], f"{', '.join(keys)} changed, which a reload cannot apply in swap mode",
+            key, _, why = keys[0].partition(" ")
+            also = f", and so did {', '.join(keys[1:])}" if keys[1:] else ""
+            raise ConfigError(new.source, key, f"changed{' ' + why if why else ''}{also}: a reload cannot apply that in swap mode",
                               f"{RESTART} to apply it")  # fmt: skip
-        running = daemon.fleet.units
-        units = {name: _unit_config(new, ucfg, running[name].cfg) for name, ucfg in engine_configs(new).items()}
-        argvs = {name: argvmod.build_argv(ucfg, daemon.engine_version) for name, ucfg in units.items()}
+        changes = {name: _change(daemon, new, index, name, ucfg) for index, (name, ucfg) in enumerate(engine_configs(new).items())}
     except Exception as exc:  # any failure, even one nobody foresaw, must leave the engines running
         text = commands.reload_error(exc)
         log.error("reload refused, keeping the running config: %s", text)
@@ -71,33 +82,38 @@ def reload(daemon) -> tuple[str, str]:
     if new.alerts != old.alerts and daemon.alerts is not None:
         commands.replace_alert_dispatcher(daemon, new)
         applied = "watchdog and alert settings"
-    outcomes = [_apply(daemon, name, units[name], argvs[name]) for name in daemon.fleet.units]
-    changed = [text for text in outcomes if text]
+    for name, change in changes.items():
+        unit = daemon.fleet.units[name]
+        unit.cfg, unit.argv = change.cfg, change.argv
+        unit.sampler.configure(change.cfg)
+        unit.suspend.cfg = change.cfg
+        if change.restart:
+            unit.pending.restart = RestartKind.CONFIG  # on the card already: restarted in place, drained, as in single mode
+    changed = [c.text for c in changes.values() if c.text]
     text = f"applied ({applied}); " + "; ".join(changed) if changed else f"applied without an engine restart ({applied})"
     log.info("reload: %s", text)
     return "ok", text
 
 
-def _unit_config(new: Config, ucfg: Config, running: Config) -> Config:
-    """The model's engine config as swap mode runs it; an engine without a key of its own keeps the one it runs with
-    (a new generated key would be a change of settings at every reload)."""
-    out = unit_config(new, ucfg)
-    return out if ucfg.api_key else dataclasses.replace(out, api_key=running.api_key)
-
-
-def _apply(daemon, name: str, ucfg: Config, argv: list[str]) -> str:
-    """Give one engine its new settings; what became of a changed one, in words ("" when nothing changed)."""
-    unit = daemon.fleet.units[name]
-    changed = argv != unit.argv or ucfg.engine.env != unit.cfg.engine.env or ucfg.api_key != unit.cfg.api_key
-    unit.cfg, unit.argv = ucfg, argv
-    unit.sampler.configure(ucfg)
-    unit.suspend.cfg = ucfg
-    if not changed:
-        return ""
-    phase, where = unit.st.phase, residency(unit.st)
-    if phase is Phase.READY and daemon.fleet.card.reset_hold is None:
-        unit.pending.restart = RestartKind.CONFIG  # on the card already: restarted in place, drained, as in single mode
-        return f"{name}: settings changed, drained restart"
-    if where is Residency.COLD:
-        return f"{name}: settings changed, taken when it is next brought in"
-    return f"{name}: settings changed, taken when it next starts ({phase.value} now)"
+def _change(daemon, new: Config, index: int, name: str, ucfg: Config) -> EngineChange:
+    """What the reload does to one model's engine; raises ConfigError when its running engine cannot take it."""
+    unit, rec, fleet = daemon.fleet.units[name], daemon.fleet.models[name], daemon.fleet
+    cfg = unit_config(new, ucfg)
+    if not ucfg.api_key:  # no key of its own: it keeps the generated one it runs with (a new one would be a change)
+        cfg = dataclasses.replace(cfg, api_key=unit.cfg.api_key)
+    argv = argvmod.build_argv(cfg, daemon.engine_version)
+    key_changed = cfg.api_key != unit.cfg.api_key
+    if argv == unit.argv and cfg.engine.env == unit.cfg.engine.env and not key_changed:
+        return EngineChange(cfg, argv)
+    phase = unit.st.phase
+    # In the middle of a swap, or with the card held for a reset, the engine is left to the arbiter as it is.
+    moving = fleet.swapping or rec.closing or rec.leave_decided or rec.park_request is not None
+    if phase is Phase.READY and not moving and fleet.card.reset_hold is None:
+        return EngineChange(cfg, argv, restart=True, text=f"{name}: settings changed, drained restart")
+    if key_changed and unit.engine.sample().alive:
+        # The router would send the new key to the engine that still runs with the old one.
+        raise ConfigError(new.source, f"models[{index}].api_key_file", f"the key changed while {name}'s engine runs ({phase.value})",
+                          f"reload again once {name} is ready or cold, or {RESTART}")  # fmt: skip
+    if residency(unit.st) is Residency.COLD:
+        return EngineChange(cfg, argv, text=f"{name}: settings changed, taken when it is next brought in")
+    return EngineChange(cfg, argv, text=f"{name}: settings changed, taken when it next starts ({phase.value} now)")
