@@ -147,9 +147,9 @@ class EngineUnit:
         """Swap mode: leave this engine's alert book and restart history for the next daemon, in its own state
         directory (the state file holds the node's document); written when they change, not every tick."""
         st = self.st
-        now = (st.alerts, st.restart_times, st.start_failures, st.same_cause_run, st.last_root_cause, st.restarts_total,
-               st.restarts_by_reason, st.last_restart_reason, st.last_restart_at)  # fmt: skip
-        if now == self._handed_on:
+        carried = (st.alerts, st.restart_times, st.start_failures, st.same_cause_run, st.last_root_cause, st.restarts_total,
+                   st.restarts_by_reason, st.last_restart_reason, st.last_restart_at)  # fmt: skip
+        if carried == self._handed_on:
             return
         path = self.state_dir / HANDED_ON_FILE
         try:
@@ -157,7 +157,7 @@ class EngineUnit:
         except OSError as exc:
             log.error("%scannot write %s: %s", self.label, path, exc)
             return
-        self._handed_on = now
+        self._handed_on = carried
 
     def kill_if_running(self) -> None:
         sample = self.engine.sample()
