@@ -6,8 +6,10 @@ state directory follow them), the router's address and its own settings, the eng
 directories and exporter, the GPU it watches. A change there refuses the whole reload, naming the key; the running
 config stays. Everything else is applied: the watchdog, alerts, canary and suspend settings to every engine and the
 card, the arbiter's limits, and each [[models]] entry to its own engine. An engine whose settings changed restarts
-(drained) if it is ready on the card; one that is cold takes them when the arbiter brings it in, and one parked,
-starting, given up or lent takes them when it next starts (as in single mode): nothing is started off the card here.
+(drained) if it is ready on the card; a parked one is stopped (it would come back with its old settings); one that is
+cold takes them when the arbiter brings it in, and one starting, given up, lent by the operator, holding frozen
+requests or in a swap takes them when it next starts (as in single mode). Nothing is started off the card here:
+the arbiter brings a stopped engine in when its model is asked for.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from r3090d import config as configmod
 from r3090d.config import Config, ConfigError
 from r3090d.config.models import engine_configs
 from r3090d.core.arbiter import Residency
+from r3090d.core.suspension import Stage
 from r3090d.core.vocabulary import Phase, RestartKind
 from r3090d.service import commands
 from r3090d.service.fleet import residency, unit_config
@@ -28,6 +31,7 @@ from r3090d.service.fleet import residency, unit_config
 log = logging.getLogger("r3090d")
 
 RESTART = "systemctl restart r3090d"
+STOPPED_FOR_RELOAD = "stopped to cold by a reload: its settings changed"
 ROUTER_KEYS = ("queue_timeout", "max_body_mib", "api_key_file", "engine_port_base")  # swap.*: the router's, set at its start
 
 
@@ -55,6 +59,7 @@ class EngineChange:
     cfg: Config
     argv: list[str]
     restart: bool = False  # restarted now, drained, in place on the card
+    stop_cold: bool = False  # parked: stopped now, cold-started with its new settings when the arbiter brings it in
     text: str = ""  # what becomes of its changed settings; "" when nothing changed
 
 
@@ -89,6 +94,8 @@ def reload(daemon) -> tuple[str, str]:
         unit.suspend.cfg = change.cfg
         if change.restart:
             unit.pending.restart = RestartKind.CONFIG  # on the card already: restarted in place, drained, as in single mode
+        if change.stop_cold:
+            unit.pending.stop_cold = STOPPED_FOR_RELOAD
     changed = [c.text for c in changes.values() if c.text]
     text = f"applied ({applied}); " + "; ".join(changed) if changed else f"applied without an engine restart ({applied})"
     log.info("reload: %s", text)
@@ -110,6 +117,11 @@ def _change(daemon, new: Config, index: int, name: str, ucfg: Config) -> EngineC
     moving = fleet.swapping or rec.closing or rec.leave_decided or rec.park_request is not None
     if phase is Phase.READY and not moving and fleet.card.reset_hold is None:
         return EngineChange(cfg, argv, restart=True, text=f"{name}: settings changed, drained restart")
+    parked = unit.st.suspension
+    if parked is not None and parked.parked and parked.stage is Stage.SUSPENDED and not parked.frozen_requests and not moving:
+        # Resumed, it would come back with its old settings; stopped, the arbiter cold-starts it when it is asked for.
+        return EngineChange(cfg, argv, stop_cold=True, text=f"{name}: settings changed, its parked engine stopped (cold-started with them "
+                                                            "when next brought in)")  # fmt: skip
     if key_changed and unit.engine.sample().alive:
         # The router would send the new key to the engine that still runs with the old one.
         raise ConfigError(new.source, f"models[{index}].api_key_file", f"the key changed while {name}'s engine runs ({phase.value})",

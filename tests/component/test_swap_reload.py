@@ -76,3 +76,21 @@ def test_what_needs_a_daemon_restart_is_refused_in_one_line_and_sighup_applies_t
     st = r.proc.state()
     assert r.model(st, "alpha")["engine"]["pid"] == alpha_pid and r.model(st, "alpha")["residency"] == "ready"
     assert r.complete("alpha").status_code == 200
+
+
+def test_a_parked_models_changed_engine_is_stopped_and_cold_started_with_it_through_the_arbiter(swap_rig):  # noqa: F811
+    r = swap_rig()  # the fake card and checkpoint driver: a swap parks the outgoing engine
+    assert r.complete("alpha").status_code == 200
+    r.wait_model("alpha", "ready")
+    assert r.complete("beta").status_code == 200
+    st = r.wait_model("alpha", "parked")
+    beta_pid = r.model(st, "beta")["engine"]["pid"]
+
+    set_args(r.config, 0, "0.013")  # alpha: parked, its engine holding the old settings
+    out = ctl(r.config, "reload")
+    assert out.returncode == 0 and "alpha" in out.stdout, out.stdout + out.stderr
+    st = r.wait_model("alpha", "cold")
+    assert r.model(st, "beta")["engine"]["pid"] == beta_pid  # the resident engine is left alone
+    assert r.complete("alpha").status_code == 200  # brought in by the arbiter: a cold start, with the new settings
+    st = r.wait_model("alpha", "ready")
+    assert "0.013" in cmdline(st, r, "alpha")
