@@ -45,6 +45,20 @@ def decide_card(snap: Snapshot, st: CardState, cfg: Config, now: float, *, servi
     return list(actions), replace(st, alerts=book)
 
 
+def _is_card_key(key: str) -> bool:
+    """The card's alerts are the GPU's (gpu_*), NVML's own (nvml_hung) and NVML's blindness (watchdog_blind)."""
+    return key.startswith("gpu_") or key in ("nvml_hung", "watchdog_blind")
+
+
+def card_alerts(book: alerting.AlertBook) -> alerting.AlertBook:
+    """What the card goes on from of an earlier daemon's alert book: a book written in single mode also holds the
+    engine's alerts, which no condition of the card would ever resolve."""
+    return alerting.AlertBook(
+        entries=tuple((k, e) for k, e in book.entries if _is_card_key(k)),
+        silenced=tuple((k, until) for k, until in book.silenced if _is_card_key(k)),
+    )
+
+
 def cleared(st: CardState) -> CardState:
     """The operator says the card was reset (r3090ctl restart while the hold stands)."""
     return replace(st, reset_hold=None)

@@ -12,6 +12,7 @@ import logging
 import time
 
 from r3090d.core.actions import SaveSuspension
+from r3090d.core.card import card_alerts
 from r3090d.core.vocabulary import Phase
 from r3090d.effectors.alertmanager_payload import model_key
 from r3090d.service import commands, resethold, swapreload
@@ -51,7 +52,7 @@ class SwapDaemon(Daemon):
         for unit in self.fleet.units.values():
             unit.carry_on(self.offset)
         card_book, _ = carried_over(self.state_path, self.offset)
-        self.fleet.card = dataclasses.replace(self.fleet.card, alerts=card_book, reset_hold=self.load_reset_hold())
+        self.fleet.card = dataclasses.replace(self.fleet.card, alerts=card_alerts(card_book), reset_hold=self.load_reset_hold())
         return None
 
     def start_loop(self) -> None:
