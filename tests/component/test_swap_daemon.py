@@ -84,12 +84,12 @@ class Card:
     """The fake card: every engine core that runs is listed with ENGINE_MIB (the checkpoint driver takes it off and
     puts it back); a core that is gone is dropped."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, extra: dict | None = None):
         self.path = path
         self.daemon_pid: int | None = None  # only this daemon's engines: other tests may run doubles too
         self.seen: set[int] = set()
         self.stop = threading.Event()
-        write_atomically(path, {"memory_total_mib": TOTAL_MIB, "memory_used_mib": 0, "util": 50, "processes": []})
+        write_atomically(path, {"memory_total_mib": TOTAL_MIB, "memory_used_mib": 0, "util": 50, "processes": [], **(extra or {})})
 
     def keep(self) -> None:
         while not self.stop.wait(0.05):
@@ -123,10 +123,11 @@ class Card:
 def swap_rig(tmp_path, fake_engine_python):
     started = []
 
-    def start(**kw):
+    def start(card_extra: dict | None = None, **kw):
+        """`card_extra`: keys of the fake card from the start (tests/fakenvml), e.g. {"fail": ...}."""
         runtime = Path(tempfile.mkdtemp(prefix="r3090d-", dir="/tmp"))
         config, port, exporter = swap_config(tmp_path, fake_engine_python, runtime, **kw)
-        card = Card(tmp_path / "card.json")
+        card = Card(tmp_path / "card.json", card_extra)
         control = tmp_path / "cuda.json"
         write_atomically(control, {"log": str(tmp_path / "calls.jsonl")})
         proc = DaemonProcess(config, tmp_path / "daemon.log", "--skip-preflight")
