@@ -354,12 +354,7 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
         else f"restarts back under {wd.restart_storm_restarts} in {wd.restart_storm_window:.0f} s",
         immediate=True,
     ))  # fmt: skip
-    blind_what = []
-    if blind.metrics_polls >= wd.blind_polls:
-        blind_what.append(f"/metrics failing for {blind.metrics_polls} polls ({blind.metrics_detail}): the KV and stall rules see nothing")
-    if blind.nvml_polls >= wd.blind_polls:
-        blind_what.append(f"NVML failing for {blind.nvml_polls} polls ({blind.nvml_detail}): the GPU rules see nothing")
-    out.append(Condition("watchdog_blind", bool(blind_what), Severity.WARNING, "watchdog blind: " + "; ".join(blind_what) if blind_what else "the watchdog sees again"))
+    out.append(blindness_condition(blind, cfg, nvml=card))
     if card:
         out += card_conditions(snap, w, cfg, life.phase)
     if life.phase is Phase.READY:
@@ -371,6 +366,18 @@ def conditions(snap: Snapshot, w: WatchState, cfg: Config, now: float, life: Lif
     backoff = life.phase is Phase.BACKOFF and (life.backoff_remaining or 0) > 0
     out.append(Condition("engine_backoff", backoff, Severity.WARNING, f"engine restart backoff after {life.restart_reason}: {life.backoff_remaining or 0:.0f} s left" if backoff else f"engine restart backoff over (after {life.restart_reason})"))
     return out
+
+
+def blindness_condition(blind: Blindness, cfg: Config, *, nvml: bool = True) -> Condition:
+    """watchdog_blind: /metrics failing (the engine's), and with `nvml`, NVML failing (the card's: swap mode
+    judges it once for the card, in core.card, not once per engine)."""
+    wd = cfg.watchdog
+    blind_what = []
+    if blind.metrics_polls >= wd.blind_polls:
+        blind_what.append(f"/metrics failing for {blind.metrics_polls} polls ({blind.metrics_detail}): the KV and stall rules see nothing")
+    if nvml and blind.nvml_polls >= wd.blind_polls:
+        blind_what.append(f"NVML failing for {blind.nvml_polls} polls ({blind.nvml_detail}): the GPU rules see nothing")
+    return Condition("watchdog_blind", bool(blind_what), Severity.WARNING, "watchdog blind: " + "; ".join(blind_what) if blind_what else "the watchdog sees again")
 
 
 def card_conditions(snap: Snapshot, w: WatchState, cfg: Config, phase: Phase) -> list[Condition]:

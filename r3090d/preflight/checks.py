@@ -17,22 +17,22 @@ The daemon's own engine is not a foreign process: pids passed in
 
 from __future__ import annotations
 
-import enum
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from packaging.version import Version
 
 from r3090d import exitcodes
 from r3090d.cards import CARDS, CardProfile
 from r3090d.config import Config, EngineListen
-from r3090d.config.models import port_for
-from r3090d.core.hostmemory import DEFAULT_HOST_MARGIN_MIB, ESTIMATED_BASE_RSS_MIB, HostMemory, parkable_count
+from r3090d.config.models import engine_configs, port_for
 from r3090d.core.room import ENGINE_CONTEXT_MARGIN, engine_room, gpu_memory_utilization
 from r3090d.core.snapshot import GpuSample, GpuStatus, HostFacts
 from r3090d.core.suspension import unavailable_here
 from r3090d.engineflags import flag_value
 from r3090d.measure.plan import PlanError, estimate_weights, kv_bytes_per_token, shape_from_config
+from r3090d.preflight.results import CheckResult, PreflightFacts, Status
+from r3090d.preflight.swapchecks import check_resident_fit, check_swap_budget
 from r3090d.units import GIB, MIB
 from r3090d.versions import VLLM_LAST_KNOWN_GOOD, newer_than_known_vllm, parse_version
 
@@ -40,38 +40,6 @@ from r3090d.versions import VLLM_LAST_KNOWN_GOOD, newer_than_known_vllm, parse_v
 CARD_MEMORY_TOLERANCE = 0.03
 # Below this GPU utilization the link generation may legitimately be lowered.
 PCIE_GEN_LOAD_PERCENT = 30
-
-
-class Status(enum.StrEnum):
-    OK = "ok"
-    WARN = "warn"
-    FAIL = "fail"
-    SKIP = "skip"
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    name: str
-    status: Status
-    measured: str
-    expected: str
-    hint: str = ""
-    permanent: bool = True  # for FAIL: True = needs a human; False = may clear by itself
-
-
-@dataclass(frozen=True)
-class PreflightFacts:
-    gpu: GpuSample
-    host: HostFacts
-    engine_version: str | None = None  # vLLM version of engine.python
-    engine_error: str | None = None  # why it could not be read
-    own_pids: frozenset[int] = frozenset()  # the daemon's running engine tree
-    pid_names: tuple[tuple[int, str], ...] = ()  # names of processes holding VRAM, where known
-    # The driver's checkpoint state of the running engine's GPU process (the suspend worker's
-    # "state" op), e.g. "pid 123: RUNNING", or "unavailable: why"; None when not asked.
-    checkpoint_state: str | None = None
-    ptrace_scope: int | None = None  # Yama's kernel.yama.ptrace_scope; None where Yama is not in the kernel
-    host_memory: HostMemory | None = None  # MemAvailable and the cgroup's room, read in swap mode only
 
 
 # ------------------------------------------------------------------- helpers
@@ -125,13 +93,26 @@ SUSPEND_MIN_CUDA = 12080
 SUSPEND_HOST_MARGIN = GIB  # host memory beyond the engine's GPU bytes, for the process to go on living
 
 
+def _swap_mode(cfg: Config) -> bool:
+    return bool(getattr(cfg, "models", ()))
+
+
+def _gpu_check_names(cfg: Config) -> list[str]:
+    """GPU_CHECKS, with one model_fit per [[models]] entry in swap mode."""
+    if not _swap_mode(cfg):
+        return list(GPU_CHECKS)
+    fits = [f"model_fit:{m.name}" for m in cfg.models]
+    return [n for name in GPU_CHECKS for n in (fits if name == "model_fit" else [name])]
+
+
 def run_checks(facts: PreflightFacts, cfg: Config) -> list[CheckResult]:
     results: list[CheckResult] = []
+    names = _gpu_check_names(cfg)
     if not cfg.gpu.required:
-        results += [CheckResult(n, Status.SKIP, "not checked", "", "gpu.required = false") for n in GPU_CHECKS]
+        results += [CheckResult(n, Status.SKIP, "not checked", "", "gpu.required = false") for n in names]
     elif not facts.gpu.usable:
         results.append(check_gpu_reading(facts.gpu, cfg))
-        results += [CheckResult(n, Status.SKIP, "no GPU reading", "", "see the driver check") for n in GPU_CHECKS[1:]]
+        results += [CheckResult(n, Status.SKIP, "no GPU reading", "", "see the driver check") for n in names[1:]]
     else:
         gpu = facts.gpu
         profile = CARDS.get(cfg.gpu.card)
@@ -143,7 +124,7 @@ def run_checks(facts: PreflightFacts, cfg: Config) -> list[CheckResult]:
             check_pcie_gen(gpu, profile if matches else None),
             check_persistence(gpu, cfg),
             check_vram(gpu, cfg, facts),
-            check_model_fit(gpu, facts.host, cfg),
+            *check_model_fits(gpu, facts, cfg),
             check_ptrace_scope(facts, cfg),
             check_suspend(gpu, facts, cfg),
         ]
@@ -155,9 +136,11 @@ def run_checks(facts: PreflightFacts, cfg: Config) -> list[CheckResult]:
         CheckResult("port", Status.SKIP, "not used", "", f"the engine serves on {cfg.engine.uds}"),
         check_vllm(facts, cfg),
     ]
-    if getattr(cfg, "models", ()):  # swap mode
+    if _swap_mode(cfg):
         results.append(check_engine_listen(cfg))
         results.append(check_swap_budget(facts, cfg))
+        if cfg.swap.max_resident > 1:
+            results.append(check_resident_fit(facts.gpu, cfg))
     return results
 
 
@@ -354,7 +337,18 @@ def served_context(cfg: Config, config_max: int | None) -> tuple[int | None, str
     return config_max, "max_position_embeddings"  # vLLM's default: the model's own limit
 
 
-def check_model_fit(gpu: GpuSample, host: HostFacts, cfg: Config) -> CheckResult:
+def check_model_fits(gpu: GpuSample, facts: PreflightFacts, cfg: Config) -> list[CheckResult]:
+    """The one engine's fit; in swap mode each [[models]] entry's (model_fit:NAME), with its own profile and flags."""
+    if not _swap_mode(cfg):
+        return [check_model_fit(gpu, facts.host, cfg)]
+    dirs = dict(facts.models)
+    return [
+        replace(check_model_fit(gpu, replace(facts.host, model=dirs.get(name)), engine, key=f"models[{i}].model"), name=f"model_fit:{name}")
+        for i, (name, engine) in enumerate(engine_configs(cfg).items())
+    ]
+
+
+def check_model_fit(gpu: GpuSample, host: HostFacts, cfg: Config, key: str = "engine.model") -> CheckResult:
     """Weights plus the KV cache of one max_model_len sequence within gpu_memory_utilization x total.
 
     vLLM refuses to start when the KV cache cannot hold one full-length
@@ -363,10 +357,10 @@ def check_model_fit(gpu: GpuSample, host: HostFacts, cfg: Config) -> CheckResult
     """
     model = host.model
     if model is None:
-        return CheckResult("model_fit", Status.SKIP, "engine.model is not a local directory", "", "sizes are read from a local model directory")
+        return CheckResult("model_fit", Status.SKIP, f"{key} is not a local directory", "", "sizes are read from a local model directory")
     if not model.is_dir or model.config is None:
         return CheckResult("model_fit", Status.FAIL, model.error or "config.json missing", "a model directory with config.json",
-                           "point engine.model at the model directory")  # fmt: skip
+                           f"point {key} at the model directory")  # fmt: skip
     if any(w.error for w in model.weight_files):
         return CheckResult("model_fit", Status.FAIL, model.error or "unreadable weights", "readable safetensors",
                            "re-download the damaged or missing weight files")  # fmt: skip
@@ -483,94 +477,3 @@ def check_vllm(facts: PreflightFacts, cfg: Config) -> CheckResult:
                            f"vLLM {facts.engine_version} is newer than {known}, the last version known to work: its flags "
                            f"or metrics may have changed; if the engine misbehaves, install vllm=={known} (make engine)")  # fmt: skip
     return CheckResult("vllm", Status.OK, measured, expected)
-
-
-def _model_config(cfg: Config, model) -> Config:
-    """A [[models]] entry's engine as far as its share of the card and checkpointing go: its profile
-    (else the top-level one) and its extra args."""
-    engine = replace(cfg.engine, extra_args=list(getattr(model, "extra_args", ())))
-    return replace(cfg, profile=getattr(model, "profile", "") or cfg.profile, engine=engine)
-
-
-def check_swap_budget(facts: PreflightFacts, cfg: Config) -> CheckResult:
-    """Swap mode: how many engines the host memory budget can hold parked, each costing its share of the
-    card (its gpu_memory_utilization x the card's memory) plus an estimated base RSS, before any has run."""
-    models = tuple(getattr(cfg, "models", ()))
-    swap = getattr(cfg, "swap", None)
-    if not cfg.gpu.required:
-        return CheckResult("swap_budget", Status.SKIP, "no GPU: nothing is parked, a swap is a drained stop and a cold start",
-                           "", "gpu.required = false")  # fmt: skip
-    max_resident = getattr(swap, "max_resident", 1)
-    card = CARDS.get(cfg.gpu.card)
-    card_mib = card.memory_mib if card is not None else (facts.gpu.memory_total or 0) // MIB or None
-    costs: list[tuple[str, int]] = []
-    cold_only: list[str] = []
-    for model in models:
-        engine = _model_config(cfg, model)
-        if unavailable_here(engine) is not None:
-            cold_only.append(model.name)
-        elif card_mib is not None:
-            share = int(gpu_memory_utilization(engine) * card_mib)
-            costs.append((model.name, share + ESTIMATED_BASE_RSS_MIB))
-    budget, source = _swap_budget(facts.host_memory, swap)
-    out_at_once = len(models) - max_resident
-    return judge_swap_budget(budget, source, tuple(costs), out_at_once, tuple(cold_only), card_mib is None)
-
-
-def _swap_budget(memory: HostMemory | None, swap) -> tuple[int | None, str]:
-    """The budget for parked engines and where it comes from: swap.host_memory_budget_mib, else the
-    host's reading (nothing is parked before the daemon runs, so nothing is added back)."""
-    configured = getattr(swap, "host_memory_budget_mib", 0)
-    if configured:
-        return configured, "swap.host_memory_budget_mib"
-    if memory is None:
-        return None, "not read"
-    if memory.mem_available_mib is None and memory.cgroup_max_mib is None:
-        return None, "; ".join(memory.errors) or "not read"
-    margin = getattr(swap, "host_memory_margin_mib", DEFAULT_HOST_MARGIN_MIB)
-    return memory.budget_mib(margin), _budget_source(memory, margin)
-
-
-def _budget_source(memory: HostMemory, margin_mib: int) -> str:
-    rooms = []
-    if memory.mem_available_mib is not None:
-        rooms.append(f"MemAvailable {memory.mem_available_mib} MiB")
-    if memory.cgroup_max_mib is not None and memory.cgroup_current_mib is not None:
-        rooms.append(f"the cgroup's {memory.cgroup_max_mib} - {memory.cgroup_current_mib} MiB")
-    lower = rooms[0] if len(rooms) == 1 else f"the lower of {' and '.join(rooms)}"
-    return f"{lower}, less the {margin_mib} MiB margin"
-
-
-def judge_swap_budget(
-    budget_mib: int | None,
-    source: str,
-    costs: tuple[tuple[str, int], ...],
-    out_at_once: int,
-    cold_only: tuple[str, ...] = (),
-    card_unknown: bool = False,
-) -> CheckResult:
-    """How many of the engines that can be parked (name, estimated cost in MiB) the budget holds at once,
-    against how many are out of the GPU at once (the models beyond swap.max_resident).
-    `cold_only`: models that can never be checkpointed (a swap stops them and cold-starts them later)."""
-    name = "swap_budget"
-    expected = f"room to park {max(0, out_at_once)} engines at once (the models beyond swap.max_resident)"
-    never = ""
-    if cold_only:
-        never = f"; {', '.join(cold_only)}: cannot be suspended, so a swap stops it drained and cold-starts it later"
-    if not costs:
-        why = "no engine can be suspended"
-        if card_unknown:
-            why = "the card's memory is unknown (gpu.card = any and no NVML reading)"
-        return CheckResult(name, Status.SKIP, f"{why}{never}", expected)
-    if budget_mib is None:
-        return CheckResult(name, Status.SKIP, f"host memory not measured: {source}{never}", expected,
-                           "set swap.host_memory_budget_mib")  # fmt: skip
-    count = parkable_count(budget_mib, (cost for _, cost in costs))
-    each = ", ".join(f"{n} {cost} MiB" for n, cost in costs)
-    measured = (f"{budget_mib} MiB ({source}) holds {count} of {len(costs)} engines parked ({each}, "
-                f"each its share of the card + {ESTIMATED_BASE_RSS_MIB} MiB base RSS){never}")  # fmt: skip
-    if count >= min(len(costs), out_at_once):
-        return CheckResult(name, Status.OK, measured, expected)
-    return CheckResult(name, Status.WARN, measured, expected,
-                       "a swap with no room to park stops the outgoing engine drained and cold-starts it later (slow): "
-                       "add host memory, raise the unit's MemoryMax, or lower the models' gpu_memory_utilization")  # fmt: skip

@@ -118,6 +118,7 @@ def gather(
         checkpoint_state=checkpoint_state(gpu, own_pids) if cfg.gpu.required else None,
         ptrace_scope=read_ptrace_scope(root),
         host_memory=_host_memory(root) if getattr(cfg, "models", ()) else None,
+        models=tuple((m.name, model_facts(m.model)) for m in getattr(cfg, "models", ())),
     )
 
 

@@ -153,7 +153,7 @@ def reload(daemon) -> tuple[str, str]:
         log.warning("%s", warning)
     applied = "watchdog settings"
     if new.alerts != old.alerts and daemon.alerts is not None:
-        _replace_alert_dispatcher(daemon, new)
+        replace_alert_dispatcher(daemon, new)
         applied = "watchdog and alert settings"
     restart, text = reload_outcome(daemon.st.phase, engine_changed, applied)
     daemon.pending.restart = restart or daemon.pending.restart
@@ -161,7 +161,7 @@ def reload(daemon) -> tuple[str, str]:
     return "ok", text
 
 
-def _replace_alert_dispatcher(daemon, cfg: Config) -> None:
+def replace_alert_dispatcher(daemon, cfg: Config) -> None:
     """New channels for new alert settings; the old dispatcher delivers what it holds, off the loop."""
     from r3090d.effectors.alerts import AlertDispatcher
 

@@ -145,7 +145,7 @@ class Daemon:
                     self.notifier.stopping("stopping: draining the engine")
                 self.shutdown = True
             elif signum == signal.SIGHUP:
-                commands.reload(self)  # on any failure the running engine and config stay as they are
+                self.reload()  # on any failure the running engine and config stay as they are
 
     def submit_control(self, request: dict, reply) -> None:
         """Called from the control server's thread; `reply(dict)` is called from the loop."""
@@ -163,11 +163,15 @@ class Daemon:
             except Exception as exc:  # a broken reply channel must not take the loop down
                 log.warning("control reply failed: %s", exc)
 
+    def reload(self) -> tuple[str, str]:
+        """Apply the config file again: ("ok" | "error", one line); on any failure nothing changes."""
+        return commands.reload(self)
+
     def control(self, request: dict) -> dict:
         if request.get("model") is not None:
             return {"ok": False, "error": f"this daemon serves one engine ({self.cfg.source} has no [[models]]): drop --model"}
         if request.get("cmd") == "reload":
-            status, text = commands.reload(self)
+            status, text = self.reload()
             return {"ok": status == "ok", "message" if status == "ok" else "error": text}
         if request.get("cmd") in ("suspend", "resume"):
             return commands.answer_suspend(request, self.pending, self.cfg, phase=self.st.phase, suspended=self.st.suspension, snap=self.last_snap)

@@ -39,7 +39,7 @@ from r3090d.effectors.alertmanager_payload import model_key
 from r3090d.effectors.routerproc import RouterProcess, router_argv, router_env
 from r3090d.probes.hostmem import read_host_memory
 from r3090d.router.link import UNIX_PREFIX, EngineState, ModelDemand, ModelEntry, ModelKind, Table
-from r3090d.service.report import model_doc, report, swap_document
+from r3090d.service.report import book_info, model_doc, report, swap_document
 from r3090d.service.routerlink import LinkServer
 from r3090d.service.statedoc import HealingInfo, ModelFleetState, RouterInfo, StateDocument, SwapInfo
 from r3090d.service.swaps import SwapTracker
@@ -521,7 +521,7 @@ class Fleet:
         first = next(iter(self.snaps.values()), None)
         return swap_document(models, swap, first.gpu if first else None, cfg, identity=identity, firing=firing,
                              xid_seen=list(self.card.xid_seen), healing=healing, written_at=written_at, tick_s=tick_s,
-                             preflight=preflight, telemetry=telemetry)  # fmt: skip
+                             preflight=preflight, telemetry=telemetry, alert_book=book_info(self.card.alerts, offset))  # fmt: skip
 
     # ------------------------------------------------------------------ for the loop
 

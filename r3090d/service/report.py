@@ -77,18 +77,7 @@ def report(
             ready_since=wall(st.ready_since),
             generation=st.generation,
         ),
-        restarts=RestartsInfo(
-            total=st.restarts_total,
-            by_reason=dict(st.restarts_by_reason),
-            last_reason=st.last_restart_reason,
-            last_at=wall(st.last_restart_at),
-            last_root_cause=st.last_root_cause,
-            backoff_level=st.backoff_level,
-            start_failures=st.start_failures,
-            same_cause_run=st.same_cause_run,
-            recent=len(st.restart_times),
-            recent_at=[t + offset for t in st.restart_times],
-        ),
+        restarts=restarts_info(st, offset),
         next_action=next_action(st, snap, cfg),
         watch=WatchInfo(st.watch.gpu_signal_off if cfg.gpu.required else None),
         give_up_reason=st.give_up_reason,
@@ -111,6 +100,31 @@ def report(
         healing=healing_info(st, cfg, offset),
         canary=canary_info(st, cfg),
     )
+
+
+def restarts_info(st: PolicyState, offset: float) -> RestartsInfo:
+    return RestartsInfo(
+        total=st.restarts_total,
+        by_reason=dict(st.restarts_by_reason),
+        last_reason=st.last_restart_reason,
+        last_at=None if st.last_restart_at is None else st.last_restart_at + offset,
+        last_root_cause=st.last_root_cause,
+        backoff_level=st.backoff_level,
+        start_failures=st.start_failures,
+        same_cause_run=st.same_cause_run,
+        recent=len(st.restart_times),
+        recent_at=[t + offset for t in st.restart_times],
+    )
+
+
+HANDED_ON = ("format", "restarts", "alert_book")  # the sections of a state document that state.carried_over reads
+
+
+def hand_on(st: PolicyState, offset: float) -> dict:
+    """What one engine hands on to the next daemon (swap mode: each model's, in its own state directory): its
+    restart history and alert book, as the state document holds them, so that state.carried_over reads them."""
+    doc = StateDocument(restarts=restart_history(restarts_info(st, offset)), alert_book=book_info(st.alerts, offset)).to_json()
+    return {key: doc[key] for key in HANDED_ON}
 
 
 def canary_info(st: PolicyState, cfg: Config) -> CanaryInfo:
@@ -305,8 +319,9 @@ def model_doc(name: str, engine_doc: StateDocument, *, kind, residency, port: in
 
 def swap_document(models: list[ModelDoc], swap: SwapInfo, gpu, cfg: Config, *, identity: DaemonIdentity, firing: dict,
                   xid_seen: list[int], healing: HealingInfo, written_at: float, tick_s: float,
-                  preflight: PreflightSummary | None, telemetry: dict) -> StateDocument:  # fmt: skip
-    """The node's document in swap mode: the daemon, the card and every model; the top-level engine is "swap"."""
+                  preflight: PreflightSummary | None, telemetry: dict, alert_book: AlertBookInfo | None = None) -> StateDocument:  # fmt: skip
+    """The node's document in swap mode: the daemon, the card and every model; the top-level engine is "swap".
+    `alert_book`: the card's, which the next daemon goes on from (each model's is in its own state directory)."""
     return StateDocument(
         written_at=written_at,
         daemon=daemon_info(identity, cfg, poll_interval=cfg.watchdog.poll_interval, tick_seconds=round(tick_s, 4)),
@@ -314,6 +329,7 @@ def swap_document(models: list[ModelDoc], swap: SwapInfo, gpu, cfg: Config, *, i
         xid_seen=xid_seen,
         gpu=gpu,
         alerts=AlertsInfo(firing, {}),
+        alert_book=alert_book or AlertBookInfo(),
         preflight=preflight,
         telemetry=parse_section(Telemetry, telemetry) or Telemetry(),
         healing=healing,

@@ -3,7 +3,8 @@
 Written atomically (write a temporary file, rename) every tick into the
 state directory, which systemd keeps across restarts, so the last word of a
 daemon that gave up is still there for `status` to show, and the next daemon
-goes on from its alert book and restart history (`carried_over`). Times in the
+goes on from its alert book and restart history (`carried_over`; in swap mode each
+model's engine leaves its own in HANDED_ON_FILE, in its state directory). Times in the
 file are wall-clock seconds; the policy's monotonic times are converted on the
 way out and back.
 """
@@ -25,6 +26,9 @@ from r3090d.service.statedoc import RestartsInfo, UnreadableFormat, check_format
 log = logging.getLogger("r3090d")
 
 STATE_FILE = "state.json"
+# Swap mode: what one model's engine hands on (report.hand_on), in its own state directory (<state_dir>/models/<name>);
+# the card's alert book is in STATE_FILE, as the one engine's is in single mode.
+HANDED_ON_FILE = "handed-on.json"
 FORMAT_VERSION = 1
 
 

@@ -12,12 +12,14 @@ import logging
 import time
 
 from r3090d.core.actions import SaveSuspension
+from r3090d.core.card import card_alerts
 from r3090d.core.vocabulary import Phase
 from r3090d.effectors.alertmanager_payload import model_key
-from r3090d.service import commands, resethold
+from r3090d.service import commands, resethold, swapreload
 from r3090d.service.daemon import STARTING_POLL_S, Daemon, collect_garbage
 from r3090d.service.fleet import Fleet
 from r3090d.service.report import status_line
+from r3090d.service.state import carried_over
 from r3090d.service.statedoc import FiringAlert
 
 log = logging.getLogger("r3090d")
@@ -45,7 +47,12 @@ class SwapDaemon(Daemon):
         code = self.preflight_or_skip()
         if code is not None:
             return code
-        self.fleet.card = dataclasses.replace(self.fleet.card, reset_hold=self.load_reset_hold())
+        # As in single mode, each engine goes on from its predecessor's alerts and restarts (each model's in its own
+        # state directory), and the card from its alerts (in the state file, which preflight keeps them in).
+        for unit in self.fleet.units.values():
+            unit.carry_on(self.offset)
+        card_book, _ = carried_over(self.state_path, self.offset)
+        self.fleet.card = dataclasses.replace(self.fleet.card, alerts=card_alerts(card_book), reset_hold=self.load_reset_hold())
         return None
 
     def start_loop(self) -> None:
@@ -62,6 +69,8 @@ class SwapDaemon(Daemon):
         old_hold = self.fleet.card.reset_hold
         gpu_name = self.gpu_identity[0] if self.gpu_identity else None
         code = self.fleet.tick(shutdown=self.shutdown, alerts=self.alerts, gpu_name=gpu_name)
+        for unit in self.fleet.units.values():
+            unit.hand_on(self.offset)
         first = next(iter(self.fleet.snaps.values()))
         if first.gpu.usable:
             self.gpu_identity = (first.gpu.name, first.gpu.index, first.gpu.uuid)
@@ -110,10 +119,14 @@ class SwapDaemon(Daemon):
 
     # ------------------------------------------------------------------ control
 
+    def reload(self) -> tuple[str, str]:
+        return swapreload.reload(self)
+
     def control(self, request: dict) -> dict:
         cmd = request.get("cmd")
         if cmd == "reload":
-            return {"ok": False, "error": "a reload of a swap-mode config is a daemon restart: systemctl restart r3090d"}
+            status, text = self.reload()
+            return {"ok": status == "ok", "message" if status == "ok" else "error": text}
         if cmd == "silence":
             # An engine's alert is keyed KEY:MODEL outside it (Fleet labels them); its own book knows KEY.
             key, _, model = request["alert"].partition(":")

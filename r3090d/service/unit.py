@@ -7,6 +7,7 @@ plane, alerts, NVML, the state file) stays with the daemon.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from r3090d import argv as argvmod
 from r3090d import exitcodes
+from r3090d.atomicfile import write_json_atomic
 from r3090d.config import Config
 from r3090d.core import policy
 from r3090d.core.actions import (
@@ -31,9 +33,10 @@ from r3090d.core.snapshot import Snapshot
 from r3090d.core.vocabulary import Phase
 from r3090d.effectors import alertformat
 from r3090d.effectors.child import DRAIN_MARGIN_S, EngineProcess
-from r3090d.service import baselines, commands, enginesocket, forensics
+from r3090d.service import baselines, commands, enginesocket, forensics, report
 from r3090d.service.safedir import UnsafeDirectory
 from r3090d.service.sampling import Sampler
+from r3090d.service.state import HANDED_ON_FILE, carried_over
 from r3090d.service.suspend import SuspendService
 
 log = logging.getLogger("r3090d")
@@ -61,6 +64,7 @@ class EngineUnit:
         self.last_restart_record: Path | None = None
         self.st = policy.initial_state(time.monotonic(), cold=cold)
         self._last_loading_log = 0.0
+        self._handed_on: tuple | None = None  # what hand_on last wrote
 
     @property
     def label(self) -> str:
@@ -154,6 +158,27 @@ class EngineUnit:
             self._last_loading_log = now
             log.info("%sloading model (%.0f s)", self.label, now - st.phase_since)
         return ready
+
+    def carry_on(self, offset: float) -> None:
+        """Swap mode, at boot: go on from the alert book and restart history an earlier daemon handed on (hand_on)."""
+        book, history = carried_over(self.state_dir / HANDED_ON_FILE, offset)
+        self.st = policy.carry_on(dataclasses.replace(self.st, alerts=book), history, self.cfg, time.monotonic())
+
+    def hand_on(self, offset: float) -> None:
+        """Swap mode: leave this engine's alert book and restart history for the next daemon, in its own state
+        directory (the state file holds the node's document); written when they change, not every tick."""
+        st = self.st
+        carried = (st.alerts, st.restart_times, st.start_failures, st.same_cause_run, st.last_root_cause, st.restarts_total,
+                   st.restarts_by_reason, st.last_restart_reason, st.last_restart_at)  # fmt: skip
+        if carried == self._handed_on:
+            return
+        path = self.state_dir / HANDED_ON_FILE
+        try:
+            write_json_atomic(path, report.hand_on(st, offset))
+        except OSError as exc:
+            log.error("%scannot write %s: %s", self.label, path, exc)
+            return
+        self._handed_on = carried
 
     def kill_if_running(self) -> None:
         sample = self.engine.sample()

@@ -84,7 +84,7 @@ class Card:
     """The fake card: every engine core that runs is listed with ENGINE_MIB (the checkpoint driver takes it off and
     puts it back); a core that is gone is dropped. `held_by`: (pid, MiB) of processes outside the daemon on the card."""
 
-    def __init__(self, path: Path, held_by=()):
+    def __init__(self, path: Path, held_by=(), extra: dict | None = None):
         self.path = path
         self.daemon_pid: int | None = None  # only this daemon's engines: other tests may run doubles too
         self.seen: set[int] = set()
@@ -92,7 +92,7 @@ class Card:
         self.lock = threading.Lock()  # one read-modify-write of the card at a time: keep() and release()
         procs = [list(h) for h in held_by]
         write_atomically(path, {"memory_total_mib": TOTAL_MIB, "memory_used_mib": sum(mib for _, mib in procs), "util": 50,
-                                "processes": procs})  # fmt: skip
+                                "processes": procs, **(extra or {})})  # fmt: skip
 
     def keep(self) -> None:
         while not self.stop.wait(0.05):
@@ -134,13 +134,14 @@ class Card:
 def swap_rig(tmp_path, fake_engine_python):
     started = []
 
-    def start(preflight=False, held_by=(), **kw):
-        """`preflight`: run it (with a give-up of 1 s) rather than --skip-preflight; `held_by`: see Card."""
+    def start(preflight=False, held_by=(), card_extra: dict | None = None, **kw):
+        """`preflight`: run it (with a give-up of 1 s) rather than --skip-preflight; `held_by`: see Card;
+        `card_extra`: keys of the fake card from the start (tests/fakenvml), e.g. {"fail": ...}."""
         runtime = Path(tempfile.mkdtemp(prefix="r3090d-", dir="/tmp"))
         if preflight:
             kw["extra"] = {**kw.get("extra", {}), "preflight": {"transient_retry_s": 0.5, "transient_give_up_s": 1.0}}
         config, port, exporter = swap_config(tmp_path, fake_engine_python, runtime, **kw)
-        card = Card(tmp_path / "card.json", held_by)
+        card = Card(tmp_path / "card.json", held_by, card_extra)
         control = tmp_path / "cuda.json"
         write_atomically(control, {"log": str(tmp_path / "calls.jsonl")})
         args = () if preflight else ("--skip-preflight",)

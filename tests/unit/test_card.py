@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 
 from r3090d import config
-from r3090d.core import policy, rules
+from r3090d.core import alerting, policy, rules
 from r3090d.core.actions import SendAlert
-from r3090d.core.card import CardState, cleared, decide_card
+from r3090d.core.card import CardState, card_alerts, cleared, decide_card
 from r3090d.core.policy import Phase
 from r3090d.core.snapshot import GpuProcess, GpuSample, GpuStatus, MetricsSample
 from r3090d.core.xid import RecoveryAction, ResetHold, XidClass
@@ -218,3 +218,70 @@ def test_card_conditions_without_a_gpu_required_are_none():
         rules.card_conditions(snap(1.0, gpu=GPUS["hot-full-throttled"]), rules.WatchState(), c, Phase.READY)
         == []
     )
+
+
+# ------------------------------------------------------------------ NVML blindness: the card's, once
+
+
+BROKEN_NVML = GpuSample(GpuStatus.ERROR, "nvmlDeviceGetMemoryInfo: Unknown Error")
+
+
+def blind_keys(actions) -> list[tuple[str, str]]:
+    return [(a.key, a.state.value) for a in actions if isinstance(a, SendAlert) and a.key == "watchdog_blind"]
+
+
+def test_nvml_blindness_is_one_watchdog_blind_of_the_card():
+    c = cfg(blind_polls=3)
+    st = CardState()
+    fired = []
+    for t in range(1, 6):
+        acts, st = decide_card(snap(float(t), gpu=BROKEN_NVML), st, c, float(t), serving=False)
+        fired += [(t, *k) for k in blind_keys(acts)]
+    assert fired == [(3, "watchdog_blind", "firing")]  # at the third failing poll
+    entry = dict(st.alerts.entries)["watchdog_blind"]
+    assert "NVML failing for" in entry.summary and "Unknown Error" in entry.summary
+    acts, st = decide_card(snap(6.0, gpu=card(6.0)), st, c, 6.0, serving=False)
+    assert blind_keys(acts) == [("watchdog_blind", "resolved")]
+
+
+def test_an_engine_judged_apart_from_the_card_is_not_blind_for_nvml_but_for_its_metrics():
+    c = cfg(blind_polls=3)
+    _, st = drive_to_ready(c)
+    keys = []
+    for t in range(2, 8):
+        acts, st = policy.decide(snap(float(t), child(1, pid=API, tree=TREE), metrics=IDLE, gpu=BROKEN_NVML), st, c, float(t), card=False)
+        keys += blind_keys(acts)
+    assert keys == []  # swap mode: the card's alert, not one per model
+    broken_metrics = MetricsSample(error="connection refused")
+    for t in range(8, 14):
+        acts, st = policy.decide(snap(float(t), child(1, pid=API, tree=TREE), metrics=broken_metrics, gpu=card(float(t))), st, c,
+                                 float(t), card=False)  # fmt: skip
+        keys += blind_keys(acts)
+    assert keys == [("watchdog_blind", "firing")]
+    assert "NVML" not in dict(st.alerts.entries)["watchdog_blind"].summary
+
+
+# ------------------------------------------------------------------ the card's alert book across a daemon restart
+
+
+def test_every_alert_the_card_gives_is_kept_by_the_card_from_a_carried_book():
+    c = cfg(blind_polls=1)
+    keys = set()
+    samples = [*GPUS.values(), BROKEN_NVML, card(2, xid_errors=(13, 63, 79, 140)), card(2, recovery_action=RecoveryAction.GPU_RESET)]
+    for gpu in samples:
+        acts, st = decide_card(snap(2.0, gpu=gpu, wall=10.0), CardState(), c, 2.0, serving=True)
+        keys |= {a.key for a in acts if isinstance(a, SendAlert)} | {k for k, _ in st.alerts.entries}
+    assert {"gpu_lost", "nvml_hung", "watchdog_blind", "gpu_reset_needed", "gpu_temperature"} <= keys
+    book = alerting.AlertBook(entries=tuple(sorted((k, alerting.AlertEntry(firing=True)) for k in keys)))
+    assert card_alerts(book) == book
+
+
+def test_a_single_engine_book_carried_into_swap_mode_leaves_the_engines_alerts_behind():
+    """A daemon switched from one engine to swap mode: the card takes its GPU alerts on; the engine's would never resolve."""
+    book = alerting.AlertBook(
+        entries=(("dead", alerting.AlertEntry(firing=True)), ("gpu_memory", alerting.AlertEntry(firing=True)),
+                 ("restart_storm", alerting.AlertEntry(firing=True))),
+        silenced=(("gpu_temperature", 50.0), ("kv_pressure", 50.0)),
+    )  # fmt: skip
+    kept = card_alerts(book)
+    assert list(kept.firing()) == ["gpu_memory"] and kept.silenced == (("gpu_temperature", 50.0),)

@@ -59,7 +59,7 @@ NOT_LOADED_BY_CORE = frozenset(
 )  # fmt: skip
 CORE_MODULES = sorted(m for m in importgraph.module_files() if m.startswith("r3090d.core."))
 # Pure modules outside the core: checked file by file (their own imports), not through their closures.
-PURE_FILES = ("preflight/checks.py", "measure/plan.py", "measure/plancheck.py", "measure/prompts.py",
+PURE_FILES = ("preflight/checks.py", "preflight/results.py", "preflight/swapchecks.py", "measure/plan.py", "measure/plancheck.py", "measure/prompts.py",
               "measure/bench_result.py", "config/steps.py", "engineflags.py", "units.py", "versions.py",
               "router/link.py")  # fmt: skip
 

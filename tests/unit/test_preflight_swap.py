@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
 from r3090d import config
 from r3090d.core.hostmemory import ESTIMATED_BASE_RSS_MIB, HostMemory
 from r3090d.core.snapshot import GpuSample, GpuStatus
+from r3090d.measure.modelinfo import ModelFacts
 from r3090d.preflight import gather
-from r3090d.preflight.checks import PreflightFacts, Status, check_swap_budget, judge_swap_budget, run_checks
-from r3090d.units import MIB
+from r3090d.preflight.checks import PreflightFacts, Status, exit_code, run_checks
+from r3090d.preflight.swapchecks import check_swap_budget, judge_swap_budget
+from r3090d.units import GIB, MIB
 
 # ------------------------------------------------------------ plain numbers
 
@@ -152,3 +156,76 @@ def test_gather_reads_host_memory_in_swap_mode_only(tmp_path):
     single = config.from_dict({"engine": {"model": "/m", **engine}, "gpu": {"required": False}},
                               check_files=False)  # fmt: skip
     assert gather.gather(single, root=tmp_path).host_memory is None
+
+
+# ------------------------------------------------------------------ each model's fit, and the resident ones together
+
+QWEN_7B = json.loads((Path(__file__).parents[1] / "data" / "qwen2.5-7b-config.json").read_text())
+
+
+def model_dir(path: str, weight_bytes: int | None = None) -> ModelFacts:
+    return ModelFacts(path=path, is_dir=True, config=QWEN_7B, weight_bytes=weight_bytes)
+
+
+@needs_swap_config
+def test_each_model_is_checked_for_its_own_fit_with_its_own_share():
+    facts = dataclasses.replace(swap_facts(), models=(("chat", model_dir("/m/chat")), ("coder", model_dir("/m/coder", 30 * GIB)),
+                                                      ("emb", None)))  # fmt: skip
+    rows = {r.name: r for r in run_checks(facts, swap_cfg())}
+    assert "model_fit" not in rows  # the top level serves no model of its own
+    chat, coder, emb = rows["model_fit:chat"], rows["model_fit:coder"], rows["model_fit:emb"]
+    assert chat.status is Status.OK and "0.9 x" in chat.expected, chat  # the realtime profile: 4096 tokens
+    assert coder.status is Status.FAIL and coder.permanent and "weights 30.00 GiB" in coder.measured, coder
+    assert "0.92 x" in coder.expected and "short by" in coder.hint  # the batch profile's share
+    assert emb.status is Status.SKIP and "models[2].model" in emb.measured, emb
+    assert exit_code(list(rows.values())) == 2
+
+
+@needs_swap_config
+def test_without_a_gpu_reading_each_model_fit_is_skipped_by_name():
+    names = [r.name for r in run_checks(swap_facts(gpu=GpuSample(GpuStatus.NO_DRIVER)), swap_cfg())]
+    assert {"model_fit:chat", "model_fit:coder", "model_fit:emb"} <= set(names) and "model_fit" not in names
+
+
+def small(name: str, share: float) -> dict:
+    return {"name": name, "model": f"/m/{name}", "profile": "none", "extra_args": ["--gpu-memory-utilization", str(share)]}
+
+
+@needs_swap_config
+@pytest.mark.parametrize(
+    ("models", "max_resident", "status", "text"),
+    [
+        (MODELS, 2, Status.FAIL, "the 2 largest shares (coder 0.92, chat 0.9) and 2 engine contexts need 45752 MiB"),
+        (MODELS, 3, Status.FAIL, "the 3 largest shares (coder 0.92, chat 0.9, emb 0.2)"),
+        ([small("a", 0.45), small("b", 0.45), small("c", 0.3)], 2, Status.OK, "need 23142 MiB of 24576 MiB"),
+        # The shares add up to less than the card, but not with each engine's own CUDA context.
+        ([small("a", 0.48), small("b", 0.5)], 2, Status.FAIL, "need 25108 MiB of 24576 MiB"),
+    ],
+    ids=["two-big", "three", "fit", "contexts-do-not-fit"],
+)
+def test_the_resident_engines_shares_fit_the_card_together(models, max_resident, status, text):
+    c = swap_cfg(models, swap={"max_resident": max_resident})
+    (r,) = [r for r in run_checks(swap_facts(), c) if r.name == "resident_fit"]
+    assert r.status is status and text in r.measured, r
+    if status is Status.FAIL:
+        assert r.permanent and "gpu_memory_utilization" in r.hint and "swap.max_resident" in r.hint
+
+
+@needs_swap_config
+def test_one_resident_engine_needs_no_resident_fit_and_no_gpu_skips_it():
+    assert "resident_fit" not in [r.name for r in run_checks(swap_facts(), swap_cfg())]
+    c = swap_cfg(swap={"max_resident": 2}, gpu={"required": False})
+    (r,) = [r for r in run_checks(swap_facts(), c) if r.name == "resident_fit"]
+    assert r.status is Status.SKIP
+
+
+@needs_swap_config
+def test_gather_reads_each_models_directory_in_swap_mode(tmp_path):
+    chat = tmp_path / "chat"
+    chat.mkdir()
+    (chat / "config.json").write_text(json.dumps(QWEN_7B))
+    models = [{"name": "chat", "model": str(chat)}, {"name": "hub", "model": "Qwen/Qwen2.5-7B-Instruct"}]
+    engine = {"python": str(tmp_path / "no-python"), "port": 1}
+    facts = gather.gather(swap_cfg(models, gpu={"required": False}, engine=engine), root=tmp_path)
+    got = dict(facts.models)
+    assert got["chat"].config == QWEN_7B and got["hub"] is None

@@ -33,15 +33,17 @@ from r3090d.core.suspension import Result, Stage, Suspension
 from r3090d.core.vocabulary import Phase
 from r3090d.preflight.checks import CheckResult, Status
 from r3090d.service import exporter, statusview
-from r3090d.service.report import preflight_report, report
+from r3090d.service.report import book_info, hand_on, preflight_report, report, swap_document
 from r3090d.service.state import carried_over
 from r3090d.service.statedoc import (
     FORMAT_VERSION,
     DaemonIdentity,
+    HealingInfo,
     LastRequest,
     PreflightSummary,
     StateDocument,
     SuspendInfo,
+    SwapInfo,
     UnreadableFormat,
     WorkerInfo,
     WorkerStep,
@@ -512,6 +514,39 @@ def test_preflight_hands_the_restart_history_on():
     assert (r.recent_at, r.recent, r.start_failures, r.same_cause_run, r.last_root_cause) == ([OFFSET + 700.0, OFFSET + 800.0], 2, 2, 1, "CUDA out of memory")
     # The engine's restarts, whatever happened to the daemon.
     assert (r.total, r.by_reason, r.last_reason, r.last_at) == (2, {"kv": 1, "requested": 1}, "kv", OFFSET + 940.0)
+
+
+def test_what_a_swap_mode_engine_hands_on_reads_back_as_its_book_and_history(tmp_path):
+    """Swap mode: each model's engine leaves its alert book and restart history in its own state directory."""
+    st_ = PolicyState(
+        phase=Phase.COLD, phase_since=900.0, restart_times=(700.0, 800.0), start_failures=2, same_cause_run=1,
+        last_root_cause="CUDA out of memory", restarts_total=3, restarts_by_reason=(("exited", 3),), last_restart_reason="exited",
+        last_restart_at=800.0,
+        alerts=AlertBook(entries=(("restart_storm", AlertEntry(firing=True, severity="warning", summary="3 restarts", since=800.0,
+                                                                last_sent_at=801.0, fired_sent=True)),),
+                         silenced=(("kv_pressure", 1600.0),)),
+    )  # fmt: skip
+    path = tmp_path / "handed-on.json"
+    path.write_text(json.dumps(hand_on(st_, OFFSET)))
+    book, history = carried_over(path, OFFSET)  # the same clock: the same times
+    assert book == st_.alerts
+    on = policy.carry_on(policy.initial_state(1000.0, cold=True), history, CFG, 1000.0)
+    fields = ("restart_times", "start_failures", "same_cause_run", "last_root_cause", "restarts_total", "restarts_by_reason",
+              "last_restart_reason", "last_restart_at")  # fmt: skip
+    assert [getattr(on, f) for f in fields] == [getattr(st_, f) for f in fields]
+
+
+def test_the_swap_document_holds_the_cards_alert_book_for_the_next_daemon(tmp_path):
+    book = AlertBook(entries=(("watchdog_blind", AlertEntry(firing=True, severity="warning", summary="NVML failing", since=990.0,
+                                                             last_sent_at=991.0, fired_sent=True)),))  # fmt: skip
+    doc = swap_document([], SwapInfo(), None, CFG, identity=IDENTITY, firing={}, xid_seen=[], healing=HealingInfo(), written_at=NOW,
+                        tick_s=0.01, preflight=None, telemetry={}, alert_book=book_info(book, OFFSET))  # fmt: skip
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(doc.to_json()))
+    assert carried_over(path, OFFSET)[0] == book
+    # Preflight keeps it, as it keeps the one engine's.
+    kept = parse(preflight_document("port: 8000 busy", parse(json.loads(path.read_text())), at=NOW + 10))
+    assert kept.alert_book == parse(doc.to_json()).alert_book
 
 
 @pytest.mark.parametrize(
