@@ -89,7 +89,7 @@ NO_GPU = GpuSample(GpuStatus.DISABLED)
 
 
 def facts() -> PreflightFacts:
-    return PreflightFacts(gpu=NO_GPU, host=gather.gather_host("127.0.0.1", 1, None))
+    return PreflightFacts(gpu=NO_GPU, host=gather.gather_host("127.0.0.1", 1))
 
 
 def test_preflight_warns_of_engines_on_tcp_in_swap_mode():
