@@ -72,11 +72,12 @@ START_NEED_MIB = ENGINE_MIB + ENGINE_CONTEXT_MARGIN // MIB  # free memory vLLM n
 MODELS = ("chat", "coder", "embed")
 CANARY = CanaryAnswer(tuple(range(16)), (5.0,) * 16, (None,) * 16, "one two three")
 REFUSED_START = "ValueError: Free memory on device is less than desired GPU memory utilization"
+FAILED_START = "RuntimeError: engine core initialization failed"
 
 
-def swap_config(max_resident: int = 1) -> Config:
+def swap_config(max_resident: int = 1, parked: int = 1) -> Config:
     """Three models, two generative and one embedding, on one card; small timeouts so that bounds are small.
-    host_memory_budget_mib holds one parked engine (nothing reads the real host)."""
+    host_memory_budget_mib holds `parked` parked engines (nothing reads the real host)."""
     models = [
         {"name": name, "model": f"/m/{name}", "kind": "embed" if name == "embed" else "generate",
          "extra_args": ["--gpu-memory-utilization", str(SHARE)]}
@@ -104,7 +105,7 @@ def swap_config(max_resident: int = 1) -> Config:
                 "queue_timeout": 600,
                 "min_residency": 10,
                 "drain_timeout": 5,
-                "host_memory_budget_mib": ENGINE_MIB + 2048 + 1000,
+                "host_memory_budget_mib": parked * (ENGINE_MIB + 2048) + 1000,
             },
             "daemon": {
                 "state_dir": "/nonexistent/r3090d-sim/state",
@@ -183,6 +184,7 @@ class SimEngine:
         self.stopping = 0  # samples until a stop ends it
         self.loading = 0  # samples until /health answers 200
         self.doomed: str | None = None  # a start that fails: it dies at its next sample, with this root cause
+        self.failing_starts = 0  # the next starts that fail so (the engine core cannot initialize)
         self.root_cause: str | None = None
         self.root_cause_certain = False
         self.held_mib = 0
@@ -204,6 +206,9 @@ class SimEngine:
         self.root_cause, self.root_cause_certain = None, False
         self.loading = self.world.latency
         self.doomed = None if fits else REFUSED_START
+        if fits and self.failing_starts:
+            self.failing_starts -= 1
+            self.doomed = FAILED_START
         self.held_mib = ENGINE_MIB if fits else 0
 
     def stop(self) -> None:

@@ -12,7 +12,9 @@ After every tick the machine checks:
 - liveness: a model with waiting requests (or brought in by hand), not failed, is served within LIVENESS_S of
   its oldest request, counted from the last disruption (a death, a failed start, an operator's restart, the
   foreign holder leaving) and while no foreign process holds the card;
-- a park or unpark under way (fleet.parks) ends within PARK_S.
+- a park or unpark under way (fleet.parks) ends within PARK_S;
+- an engine in transition (starting, parking, resuming, stopping: the arbiter moves nothing meanwhile) gets out of
+  it within TRANSITION_S, counted from the last disruption, while no foreign process holds the card.
 
 R3090D_LIVENESS_EXAMPLES sets how many examples run (CI runs a few dozen in well under a minute).
 """
@@ -25,37 +27,57 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from r3090d.core.arbiter import Close, Residency, StopCold
+from r3090d.core.arbiter import IN_TRANSITION, Close, Residency, StopCold
 from r3090d.service import commands
 from r3090d.service.fleet import residency
-from tests.fleetsim import ENGINE_MIB, MODELS, Sim
+from tests.fleetsim import ENGINE_MIB, MODELS, Sim, swap_config
 
 MAX_TICK_S = 5.0
+WORK_TICKS = 6  # the longest request, in ticks of its engine running
 EXAMPLES = int(os.environ.get("R3090D_LIVENESS_EXAMPLES", "40"))
 STEPS = int(os.environ.get("R3090D_LIVENESS_STEPS", "60"))
 
 
-def _bounds(sim: Sim) -> tuple[float, float]:
-    """(LIVENESS_S, PARK_S) from the config and the simulation's slowest latency (3 ticks of MAX_TICK_S).
+def _bounds(sim: Sim) -> tuple[float, float, float]:
+    """(LIVENESS_S, PARK_S, TRANSITION_S) from the config and the simulation's slowest latency (3 ticks).
 
-    One swap: the resident engine's min_residency, its drain, the canary's baseline, the checkpoint or the drained
-    stop, the target's start (or restore) and its canary, each a few ticks; a model may wait for every other
-    model's swap before its own."""
+    One swap: the resident engine's min_residency, its drain (or, closed, its longest request), the canary's
+    baseline, the checkpoint or the drained stop, the target's start (or restore) and its canary: some 8 ticks and
+    4 latencies; a model may wait for every other model's swap before its own."""
     cfg = sim.cfg
-    ticks = 24 * 3 * MAX_TICK_S
+    ticks = (8 + 4 * 3 + WORK_TICKS) * MAX_TICK_S
     one_swap = cfg.swap.min_residency + cfg.swap.drain_timeout + 2 * cfg.canary.timeout + ticks
     liveness = len(sim.units) * one_swap
-    park = cfg.swap.drain_timeout + 2 * cfg.canary.timeout + cfg.suspend.verify_timeout + 12 * 3 * MAX_TICK_S
-    return liveness, park
+    park = cfg.swap.drain_timeout + 2 * cfg.canary.timeout + cfg.suspend.verify_timeout + 12 * MAX_TICK_S
+    # One engine's move (a start with its backoff and failures, a park, a resume, a drained stop): its own timeouts.
+    transition = (
+        cfg.engine.startup_timeout
+        + cfg.swap.drain_timeout
+        + cfg.suspend.verify_timeout
+        + 2 * cfg.canary.timeout
+    )
+    transition += cfg.watchdog.backoff_max + 12 * MAX_TICK_S
+    return liveness, park, transition
 
 
 class FleetLiveness(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.sim = Sim()
-        self.liveness_s, self.park_s = _bounds(self.sim)
+        self._begin(Sim())
+
+    @initialize(parked=st.integers(0, 1))
+    def host_memory(self, parked):
+        """Host memory for one parked engine (a swap parks), or none (every swap stops, closing a busy engine first)."""
+        self._begin(Sim(swap_config(parked=parked)))
+
+    def _begin(self, sim: Sim) -> None:
+        self.sim = sim
+        self.liveness_s, self.park_s, self.transition_s = _bounds(self.sim)
+        self.moving_since: dict[
+            str, float
+        ] = {}  # engines in transition (starting, parking, resuming, stopping), since
         self.calm_since = self.sim.clock()  # the last disruption
         # When each model was last seen not failed after failed: its liveness counts from then.
         self.serving_since = dict.fromkeys(MODELS, self.sim.clock())
@@ -80,11 +102,15 @@ class FleetLiveness(RuleBasedStateMachine):
             if self.failed[name] and not failed:
                 self.serving_since[name] = self.now
             self.failed[name] = failed
+            if residency(unit.st) in IN_TRANSITION:
+                self.moving_since.setdefault(name, self.now)
+            else:
+                self.moving_since.pop(name, None)
         self.after_tick = True
 
     # ------------------------------------------------------------------ rules
 
-    @rule(model=st.sampled_from(MODELS), count=st.integers(1, 3), work=st.integers(1, 4))
+    @rule(model=st.sampled_from(MODELS), count=st.integers(1, 3), work=st.integers(1, WORK_TICKS))
     def requests_arrive(self, model, count, work):
         for _ in range(count):
             self.sim.router.arrive(model, work)
@@ -99,7 +125,7 @@ class FleetLiveness(RuleBasedStateMachine):
     def tick(self, dt):
         self._tick(dt)
 
-    @rule(n=st.integers(1, 30))
+    @rule(n=st.integers(1, 40))
     def settle(self, n):
         for _ in range(n):
             self._tick(MAX_TICK_S)
@@ -118,13 +144,11 @@ class FleetLiveness(RuleBasedStateMachine):
             )
             self.disrupted()
 
-    @rule(model=st.sampled_from(MODELS))
-    def start_fails(self, model):
-        """The engine loading now dies before it is ready, with the same certain cause each time."""
-        engine = self.sim.units[model].engine
-        if engine.alive and engine.loading:
-            engine.doomed = "RuntimeError: engine core initialization failed"
-            self.disrupted()
+    @rule(model=st.sampled_from(MODELS), count=st.integers(1, 2))
+    def starts_fail(self, model, count):
+        """The model's next starts die before they are ready, with the same certain cause (two give up)."""
+        self.sim.units[model].engine.failing_starts = count
+        self.disrupted()
 
     @rule(model=st.sampled_from(MODELS))
     def checkpoint_fails(self, model):
@@ -245,6 +269,19 @@ class FleetLiveness(RuleBasedStateMachine):
             since = max(min(oldest), self.calm_since, self.serving_since[name])
             assert self.now - since <= self.liveness_s, (
                 f"{name} not served {self.now - since:.0f} s after its oldest request (bound {self.liveness_s:.0f} s): {self._describe()}"
+            )
+
+    @precondition(lambda self: self.after_tick)
+    @invariant()
+    def a_transition_ends(self):
+        """The arbiter moves nothing while an engine is in transition: each transition must end by itself."""
+        if self.sim.world.card.foreign:
+            return  # a start may wait for a foreign process as long as it holds the card
+        for name, since in self.moving_since.items():
+            since = max(since, self.calm_since)
+            assert self.now - since <= self.transition_s, (
+                f"{name} {residency(self.sim.units[name].st).value} for {self.now - since:.0f} s "
+                f"(bound {self.transition_s:.0f} s): {self._describe()}"
             )
 
     @precondition(lambda self: self.after_tick)
