@@ -75,7 +75,7 @@ REFUSED_START = "ValueError: Free memory on device is less than desired GPU memo
 FAILED_START = "RuntimeError: engine core initialization failed"
 
 
-def swap_config(max_resident: int = 1, parked: int = 1) -> Config:
+def swap_config(max_resident: int = 1, parked: int = 1, min_residency: float = 10) -> Config:
     """Three models, two generative and one embedding, on one card; small timeouts so that bounds are small.
     host_memory_budget_mib holds `parked` parked engines (nothing reads the real host)."""
     models = [
@@ -103,7 +103,7 @@ def swap_config(max_resident: int = 1, parked: int = 1) -> Config:
             "swap": {
                 "max_resident": max_resident,
                 "queue_timeout": 600,
-                "min_residency": 10,
+                "min_residency": min_residency,
                 "drain_timeout": 5,
                 "host_memory_budget_mib": parked * (ENGINE_MIB + 2048) + 1000,
             },

@@ -36,6 +36,16 @@ from tests.fleetsim import ENGINE_MIB, MODELS, Sim, swap_config
 
 MAX_TICK_S = 5.0
 WORK_TICKS = 6  # the longest request, in ticks of its engine running
+TROUBLES = (
+    "latency",
+    "engine dies",
+    "engine dies of a known cause",
+    "starts fail",
+    "checkpoint fails",
+    "foreign holder comes",
+    "foreign holder goes",
+    "router dies",
+)
 EXAMPLES = int(os.environ.get("R3090D_LIVENESS_EXAMPLES", "40"))
 STEPS = int(os.environ.get("R3090D_LIVENESS_STEPS", "60"))
 
@@ -67,10 +77,11 @@ class FleetLiveness(RuleBasedStateMachine):
         super().__init__()
         self._begin(Sim())
 
-    @initialize(parked=st.integers(0, 1))
-    def host_memory(self, parked):
-        """Host memory for one parked engine (a swap parks), or none (every swap stops, closing a busy engine first)."""
-        self._begin(Sim(swap_config(parked=parked)))
+    @initialize(parked=st.integers(0, 1), min_residency=st.sampled_from([0.0, 10.0]))
+    def configure(self, parked, min_residency):
+        """Host memory for one parked engine (a swap parks), or none (every swap stops, closing a busy engine
+        first); a busy engine kept resident swap.min_residency, or swapped out at once."""
+        self._begin(Sim(swap_config(parked=parked, min_residency=min_residency)))
 
     def _begin(self, sim: Sim) -> None:
         self.sim = sim
@@ -109,6 +120,8 @@ class FleetLiveness(RuleBasedStateMachine):
         self.after_tick = True
 
     # ------------------------------------------------------------------ rules
+    # Few rules, so that time and requests (what every bug needs) are drawn often; the rarer events are one rule each
+    # for the world's troubles and the operator's commands.
 
     @rule(model=st.sampled_from(MODELS), count=st.integers(1, 3), work=st.integers(1, WORK_TICKS))
     def requests_arrive(self, model, count, work):
@@ -116,61 +129,61 @@ class FleetLiveness(RuleBasedStateMachine):
             self.sim.router.arrive(model, work)
         self.after_tick = False
 
-    @rule(model=st.sampled_from(MODELS), count=st.integers(1, 5))
-    def clients_leave(self, model, count):
-        self.sim.router.leave(model, count)
-        self.after_tick = False
+    @rule(data=st.data(), count=st.integers(1, 5))
+    def clients_leave(self, data, count):
+        """The newest `count` clients waiting for one model (one that has some) give up."""
+        waiting = sorted(m for m, lane in self.sim.router.waiting.items() if lane)
+        if waiting:
+            self.sim.router.leave(data.draw(st.sampled_from(waiting), label="model"), count)
+            self.after_tick = False
 
     @rule(dt=st.floats(0.5, MAX_TICK_S))
     def tick(self, dt):
         self._tick(dt)
 
-    @rule(n=st.integers(1, 40))
+    @rule(n=st.integers(1, 15))
     def settle(self, n):
         for _ in range(n):
             self._tick(MAX_TICK_S)
 
-    @rule(latency=st.integers(1, 3))
-    def latency(self, latency):
-        self.sim.world.latency = latency
-
-    @rule(model=st.sampled_from(MODELS), certain=st.booleans())
-    def engine_dies(self, model, certain):
-        engine = self.sim.units[model].engine
-        if engine.alive:
+    @rule(what=st.sampled_from(TROUBLES), model=st.sampled_from(MODELS), size=st.integers(1, 3))
+    def trouble(self, what, model, size):
+        """Something the fleet does not choose: `size` is the latency in ticks, the failing starts, the foreign MiB."""
+        sim, engine = self.sim, self.sim.units[model].engine
+        card = sim.world.card
+        if what == "latency":
+            sim.world.latency = size
+            return
+        if what in ("engine dies", "engine dies of a known cause") and engine.alive:
+            known = what == "engine dies of a known cause"
             engine.die(
-                "RuntimeError: CUDA error: an illegal memory access was encountered" if certain else None,
-                certain,
+                "RuntimeError: CUDA error: an illegal memory access was encountered" if known else None, known
             )
-            self.disrupted()
-
-    @rule(model=st.sampled_from(MODELS), count=st.integers(1, 2))
-    def starts_fail(self, model, count):
-        """The model's next starts die before they are ready, with the same certain cause (two give up)."""
-        self.sim.units[model].engine.failing_starts = count
-        self.disrupted()
-
-    @rule(model=st.sampled_from(MODELS))
-    def checkpoint_fails(self, model):
-        self.sim.units[model].worker.fail_next = True
-        self.disrupted()
-
-    @rule(mib=st.integers(500, 4000))
-    def foreign_holder_comes(self, mib):
-        card = self.sim.world.card
-        if not card.foreign:
-            card.foreign[99] = max(0, min(mib, card.free_mib()))
+        elif what == "starts fail":
+            engine.failing_starts = min(size, 2)  # two in a row with one cause: a give-up
+        elif what == "checkpoint fails":
+            self.sim.units[model].worker.fail_next = True
+        elif what == "foreign holder comes" and not card.foreign:
+            card.foreign[99] = max(
+                0, min(size * 1200, card.free_mib())
+            )  # 1200 MiB leaves room for an engine, more not
             self.after_tick = False
+            return
+        elif what == "foreign holder goes" and card.foreign:
+            card.foreign.clear()
+        elif what == "router dies":
+            sim.router.die()
+        else:
+            return
+        self.disrupted()
 
-    @rule()
-    def foreign_holder_goes(self):
-        if self.sim.world.card.foreign:
-            self.sim.world.card.foreign.clear()
-            self.disrupted()
-
-    @rule(model=st.sampled_from(MODELS))
-    def operator_restarts(self, model):
-        """r3090ctl restart --model: answered as SwapDaemon.control answers it."""
+    @rule(cmd=st.sampled_from(("restart", "swap")), model=st.sampled_from(MODELS))
+    def operator(self, cmd, model):
+        """r3090ctl restart|swap --model, answered as SwapDaemon.control answers them."""
+        self.after_tick = False
+        if cmd == "swap":
+            self.sim.fleet.bring_in(model)
+            return
         unit = self.sim.units[model]
         reply = commands.answer(
             {"cmd": "restart"},
@@ -181,16 +194,6 @@ class FleetLiveness(RuleBasedStateMachine):
         )
         if reply["ok"]:
             self.disrupted()
-
-    @rule(model=st.sampled_from(MODELS))
-    def operator_swaps(self, model):
-        self.sim.fleet.bring_in(model)
-        self.after_tick = False
-
-    @rule()
-    def router_dies(self):
-        self.sim.router.die()
-        self.disrupted()
 
     # ------------------------------------------------------------------ invariants
 
