@@ -260,8 +260,8 @@ class Fleet:
             st, snap, rec = unit.st, self.snaps.get(name), self.models[name]
             d = demand.get(name)
             where = residency(st)
-            if rec.wanted_at is not None and (where is Residency.READY or (where is Residency.FAILED and st.phase_since >= rec.wanted_at)):
-                rec.wanted_at = None  # served; or it failed after it was asked for (a restart asks again)
+            if rec.wanted_at is not None and (self.routable(name, unit, now) or (where is Residency.FAILED and st.phase_since >= rec.wanted_at)):
+                rec.wanted_at = None  # routed (its first canary answered); or it failed after it was asked for (a restart asks again)
             if rec.wanted_at is not None:
                 oldest = min(t for t in (rec.wanted_at, d.oldest_waiting_at if d else None) if t is not None)
                 d = ModelDemand(max(1, d.waiting if d else 0), oldest, d.inflight if d else 0, d.last_used_at if d else None)
@@ -318,7 +318,7 @@ class Fleet:
     def _reclose(self, plan: arbiter.Plan) -> None:
         """Closing is the current plan's decision, made again at every plan: an engine the plan no longer closes
         (the target's requests left, or came after the closed engine's own) is routable again."""
-        closed = {m.name for m in plan.moves if isinstance(m, Close)}
+        closed = {m.name for m in plan.moves if isinstance(m, Close | StopCold)}  # a stop ends the close
         for name, rec in self.models.items():
             if rec.closing and name not in closed:
                 rec.closing = False
@@ -326,13 +326,13 @@ class Fleet:
                 log.info("swap: %s is routable again: the plan no longer closes it (%s)", name, plan.why)
 
     def _abandon_unwanted_swap(self, now: float) -> None:
-        """A swap whose target is out of the GPU and no longer the plan's target (its requests left before it was
-        brought in) ends as abandoned: the next target begins a swap of its own."""
+        """A swap whose target is out of the GPU, or leaving it, and no longer the plan's target (its requests left
+        before it was routed) ends as abandoned: the next target begins a swap of its own."""
         s = self.swaps.current
         if s is None or s.to_model is None or s.to_model == self.plan.target:
             return
         unit = self.units.get(s.to_model)
-        if unit is None or residency(unit.st) in (Residency.COLD, Residency.PARKED):
+        if unit is None or residency(unit.st) in (Residency.COLD, Residency.PARKED, Residency.PARKING, Residency.STOPPING):
             self.swaps.abandon(now, f"{s.to_model} is no longer asked for ({self.plan.why})")
 
     def _learn_from_parks(self, now: float) -> None:

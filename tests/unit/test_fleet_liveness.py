@@ -12,7 +12,7 @@ After every tick the machine checks:
 - liveness: a model with waiting requests (or brought in by hand), not failed, is served within LIVENESS_S of
   its oldest request, counted from the last disruption (a death, a failed start, an operator's restart, the
   foreign holder leaving) and while no foreign process holds the card;
-- a park or unpark under way (fleet.parks) ends within PARK_S;
+- a park or unpark under way (a model record's park_request) ends within PARK_S;
 - an engine in transition (starting, parking, resuming, stopping: the arbiter moves nothing meanwhile) gets out of
   it within TRANSITION_S, counted from the last disruption, while no foreign process holds the card.
 
@@ -72,6 +72,18 @@ def _bounds(sim: Sim) -> tuple[float, float, float]:
     )
     transition += cfg.watchdog.backoff_max + 12 * MAX_TICK_S
     return liveness, park, transition
+
+
+def closing(fleet) -> list[str]:
+    return sorted(name for name, rec in fleet.models.items() if rec.closing)
+
+
+def wanted(fleet) -> dict[str, float]:
+    return {name: rec.wanted_at for name, rec in fleet.models.items() if rec.wanted_at is not None}
+
+
+def parks_under_way(fleet) -> dict[str, int]:
+    return {name: rec.park_request for name, rec in fleet.models.items() if rec.park_request is not None}
 
 
 class FleetLiveness(RuleBasedStateMachine):
@@ -206,9 +218,9 @@ class FleetLiveness(RuleBasedStateMachine):
         frozen = where is Residency.PARKED and len(router.inflight.get(name, ())) > 0
         # READY but not yet routable (its first canary under way) is still coming in: the swap ends once it is routed.
         on_its_way = (
-            where in (Residency.STARTING, Residency.RESUMING, Residency.READY) or name in fleet.coming
+            where in (Residency.STARTING, Residency.RESUMING, Residency.READY) or fleet.models[name].coming
         )
-        return bool(router.waiting.get(name)) or frozen or name in fleet.wanted or on_its_way
+        return bool(router.waiting.get(name)) or frozen or fleet.models[name].wanted_at is not None or on_its_way
 
     def _describe(self) -> str:
         fleet, router = self.sim.fleet, self.sim.router
@@ -223,7 +235,7 @@ class FleetLiveness(RuleBasedStateMachine):
             f"{swap.from_model}->{swap.to_model} since {self.now - swap.started_at:.0f} s" if swap else "none"
         )
         return (f"at +{self.now - 1000:.0f} s, calm for {self.now - self.calm_since:.0f} s; {'; '.join(parts)}; swap {swap_text}; "
-                f"parks {fleet.parks}; closing {sorted(fleet.closing)}; wanted {sorted(fleet.wanted)}; plan: {fleet.plan.why!r}")  # fmt: skip
+                f"parks {parks_under_way(fleet)}; closing {closing(fleet)}; wanted {sorted(wanted(fleet))}; plan: {fleet.plan.why!r}")  # fmt: skip
 
     @invariant()
     def the_card_holds_what_it_has(self):
@@ -252,9 +264,9 @@ class FleetLiveness(RuleBasedStateMachine):
     def a_closing_model_is_being_closed(self):
         fleet = self.sim.fleet
         planned = {m.name for m in fleet.plan.moves if isinstance(m, Close | StopCold)}
-        for name in fleet.closing:
-            assert name in planned or fleet.plan.target is not None, (
-                f"{name} is closing (sent nothing new) while the plan neither closes nor stops it and nobody waits: {self._describe()}"
+        for name in closing(fleet):
+            assert name in planned, (
+                f"{name} is closing (sent nothing new) while the plan neither closes nor stops it: {self._describe()}"
             )
 
     @precondition(lambda self: self.after_tick)
@@ -267,8 +279,8 @@ class FleetLiveness(RuleBasedStateMachine):
             if self.failed[name]:
                 continue
             oldest = [r.arrived for r in router.waiting.get(name, ())]
-            if name in fleet.wanted:
-                oldest.append(fleet.wanted[name])
+            if fleet.models[name].wanted_at is not None:
+                oldest.append(fleet.models[name].wanted_at)
             if not oldest:
                 continue
             since = max(min(oldest), self.calm_since, self.serving_since[name])
@@ -292,7 +304,7 @@ class FleetLiveness(RuleBasedStateMachine):
     @precondition(lambda self: self.after_tick)
     @invariant()
     def a_park_ends(self):
-        parks = self.sim.fleet.parks
+        parks = parks_under_way(self.sim.fleet)
         for key in list(self.parks_seen):
             if parks.get(key[0]) != key[1]:
                 del self.parks_seen[key]
