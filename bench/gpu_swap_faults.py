@@ -141,6 +141,9 @@ class FaultWatcher(gs.Watcher):
             return next((at for at, seen, _ in self.phases[name] if at >= since and seen == phase), None)
 
 
+# After its retry, the given-up model asked for again is served within this (a swap in, with room to spare).
+RETRY_READY_S = 60.0
+
 def model(st: dict, letter: str) -> dict:
     return gs.model_doc(st, MODELS[letter])
 
@@ -389,8 +392,13 @@ class Faults:
         retry_phases = self.watcher.phases_since(MODELS[x], gave_up_wall or since)
         # The deadlock the arbiter prevents: a retry starting by itself finds the card held and waits there for ever.
         # (Before the give-up a restart may wait a moment for the driver to drop the dead engine's memory: not a retry.)
-        ph.check("the card", "not deadlocked (the retry never waits for the GPU)", f"{x} ready {time.time() - asked:.1f} s after it was "
-                 f"asked for; its phases: {' > '.join(dict.fromkeys(phases))}", q.ok and "waiting-for-gpu" not in retry_phases)  # fmt: skip
+        # A start may still wait a moment for memory the driver has not yet released (the engine that just left):
+        # that wait no longer holds the arbiter (rule 1), so it is reported, and the bound is what is checked.
+        took = time.time() - asked
+        waited = " (waited for GPU memory on the way)" if "waiting-for-gpu" in retry_phases else ""
+        ph.check("the card", f"not deadlocked: {x} ready within {RETRY_READY_S:.0f} s of being asked for",
+                 f"{x} ready {took:.1f} s after it was asked for{waited}; its phases: {' > '.join(dict.fromkeys(phases))}",
+                 q.ok and took <= RETRY_READY_S)  # fmt: skip
 
     def under_load(self, ph: Phase) -> None:
         a, b, c = "A", "B", "C"
