@@ -47,9 +47,9 @@ def write_atomically(path: Path, data) -> None:
 
 
 def swap_config(tmp: Path, engine_python: str, runtime_dir: Path, *, models=("alpha", "beta"), swap=None, gpu=True, extra=None,
-                kinds=None, watchdog=None) -> tuple[Path, int, int]:  # fmt: skip
-    """A swap-mode config: one [[models]] entry per name, each a directory of its own (`kinds`: name -> kind).
-    (path, router port, exporter port)."""
+                kinds=None, watchdog=None, park=None, model_args=None) -> tuple[Path, int, int]:  # fmt: skip
+    """A swap-mode config: one [[models]] entry per name, each a directory of its own (`kinds`: name -> kind; `park`:
+    name -> park; `model_args`: name -> the double's extra flags). (path, router port, exporter port)."""
     port, exporter = free_port(), free_port()
     lines = ['profile = "none"', "[engine]", f"python = {toml_value(engine_python)}", 'host = "127.0.0.1"', f"port = {port}",
              "shutdown_timeout = 5", "startup_timeout = 60"]  # fmt: skip
@@ -58,7 +58,9 @@ def swap_config(tmp: Path, engine_python: str, runtime_dir: Path, *, models=("al
         model.mkdir(exist_ok=True)
         (model / "config.json").write_text("{}")
         lines += ["[[models]]", f"name = {toml_value(name)}", f"model = {toml_value(str(model))}",
-                  f"extra_args = {toml_value(['--fake-token-delay', str(TOKEN_DELAY)])}"]  # fmt: skip
+                  f"extra_args = {toml_value(['--fake-token-delay', str(TOKEN_DELAY), *(model_args or {}).get(name, ())])}"]  # fmt: skip
+        if (park or {}).get(name):
+            lines.append(f"park = {toml_value(park[name])}")
         if (kinds or {}).get(name):
             lines.append(f"kind = {toml_value(kinds[name])}")
     sections = {
