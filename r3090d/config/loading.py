@@ -654,6 +654,9 @@ def _check_park(cfg: Config, m: ModelConfig, where: str, path) -> None:
     if m.kind is not EngineKind.GENERATE:
         raise ConfigError(path, f"{where}.park", f'is "sleep" but {where}.kind is {m.kind.value}: the canary that checks each wake needs a generative model',
                           f'set {where}.park = "auto"')  # fmt: skip
+    if not cfg.gpu.required:
+        raise ConfigError(path, f"{where}.park", 'is "sleep" but gpu.required is false: vLLM\'s sleep mode moves GPU memory',
+                          f'set {where}.park = "auto" (a drained stop and a cold start without a GPU)')  # fmt: skip
     if not cfg.canary.enabled:
         raise ConfigError(path, f"{where}.park", 'is "sleep" but canary.enabled is false: nothing would check the woken engine\'s answer',
                           f'set canary.enabled = true, or {where}.park = "auto"')  # fmt: skip

@@ -426,7 +426,7 @@ def test_park_defaults_to_auto_and_sleep_adds_the_flag_and_dev_mode_only_where_a
     for c in plain.values():
         assert argvmod.SLEEP_MODE_FLAG not in argvmod.build_argv(c, argvmod.parse_version("0.32.0"))
         assert argvmod.SLEEP_ENV not in argvmod.engine_env(c, {})
-    data = swap_doc(swap={"sleep_timeout": 30})
+    data = swap_doc(swap={"sleep_timeout": 30}, gpu={"required": True})
     data["models"][0]["park"] = "sleep"
     data["models"][1]["park"] = "stop"
     by_name = engine_configs(load(data))
@@ -447,15 +447,18 @@ def test_park_defaults_to_auto_and_sleep_adds_the_flag_and_dev_mode_only_where_a
     ],
 )
 def test_a_wrong_park_is_one_line(change, key, problem, fix):
-    data = swap_doc()
+    data = swap_doc(gpu={"required": True})
     data["models"][0].update(change)
     refused(data, key=key, problem=problem, fix=fix)
 
 
-def test_park_by_sleep_needs_the_canary():
-    data = swap_doc(canary={"enabled": False})
+def test_park_by_sleep_needs_the_canary_and_a_gpu():
+    data = swap_doc(canary={"enabled": False}, gpu={"required": True})
     data["models"][0]["park"] = "sleep"
     refused(data, key="models[0].park", problem="canary.enabled is false", fix="set canary.enabled = true")
+    data = swap_doc()  # gpu.required = false
+    data["models"][0]["park"] = "sleep"
+    refused(data, key="models[0].park", problem="gpu.required is false", fix='set models[0].park = "auto"')
 
 
 def test_a_wrong_sleep_timeout_is_one_line():
