@@ -488,3 +488,21 @@ def test_a_sleep_that_hangs_falls_back_to_a_drained_stop_and_nothing_is_lost(swa
     again = r.complete("alpha")  # started cold, beta parked by sleep
     assert again.status_code == 200, again.text
     assert "Traceback" not in r.proc.log()
+
+
+def test_a_wake_that_answers_500_restarts_the_engine_cold_and_its_request_is_served(swap_rig):
+    r = swap_rig(park=SLEEPERS, model_args={"alpha": ["--fake-wake-500"]})
+    assert r.complete("alpha").status_code == 200
+    r.wait_model("alpha", "ready")
+    r.proc.wait_for(lambda s: r.model(s, "alpha")["canary"]["baseline_tokens"], BOUND, "alpha's canary baseline")
+    assert r.complete("beta").status_code == 200  # alpha sleeps
+    r.wait_model("alpha", "parked")
+    back = r.complete("alpha")  # its /wake_up answers 500: restarted cold, the request waits for the new engine
+    assert back.status_code == 200, back.text
+    st = r.wait_model("alpha", "ready")
+    alpha = r.model(st, "alpha")
+    assert alpha["restarts"]["by_reason"].get("resume_failed") == 1, alpha["restarts"]
+    assert alpha["fleet"]["sleep_failures"] == 1
+    log = r.proc.log()
+    assert "swap: alpha's wake failed (wake failed: POST /wake_up: HTTP 500" in log, log
+    assert "Traceback" not in log
