@@ -122,6 +122,7 @@ class SuspendResult:
     detail: str
     at: float  # monotonic
     by_sleep: bool = False  # the park or unpark was by vLLM's sleep mode: the fleet counts its failures
+    lost: bool = False  # the engine died under the operation (by sleep: counted as a failed sleep or wake)
 
 
 @dataclass(frozen=True)
@@ -388,9 +389,9 @@ def _gone_cold(s: Suspension, snap: Snapshot, now: float) -> Move:
     # swap mode's park or unpark, for ever.
     result = None
     if s.resuming:
-        result = SuspendResult(s.request, "resume", Result.REFUSED, text, now)
+        result = SuspendResult(s.request, "resume", Result.REFUSED, text, now, by_sleep=s.by_sleep, lost=True)
     elif s.stage is not Stage.SUSPENDED:  # draining, baselining, checkpointing, querying: the suspend under way
-        result = SuspendResult(s.request, "suspend", Result.SUSPENDED, text, now)
+        result = SuspendResult(s.request, "suspend", Result.SUSPENDED, text, now, by_sleep=s.by_sleep, lost=True)
     s = _to(s, Stage.SUSPENDED, now, cold=True, since=since, since_wall=s.since_wall if s.since_wall is not None else snap.wall, error=text,
             resuming=False, op_sent_at=None)  # fmt: skip
     actions: list[Action] = [SaveSuspension(s.record(None))]

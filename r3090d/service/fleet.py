@@ -379,13 +379,14 @@ class Fleet:
 
     @staticmethod
     def _count_sleep(name: str, rec: ModelRecord, last: suspension.SuspendResult) -> None:
-        """A park or wake by sleep that failed (it fell back: stopped drained, or restarted cold); two in a row and the
+        """A park or wake by sleep that failed (it fell back: stopped drained, or restarted cold; or the engine died under
+        it, as vLLM's cumem allocator's double free kills it); two in a row and the
         model is parked as park = "auto" from then on. One that worked clears the count."""
-        if last.result in (Result.SUSPENDED, Result.RESUMED):
+        if last.result in (Result.SUSPENDED, Result.RESUMED) and not last.lost:
             rec.sleep_failures = 0
             return
-        if last.result is not Result.FAILED:
-            return
+        if last.result is not Result.FAILED and not last.lost:
+            return  # refused for room: nothing was tried
         rec.sleep_failures += 1
         what = "park by sleep" if last.op == "suspend" else "wake"
         log.warning("swap: %s's %s failed (%s); %d in a row", name, what, last.detail, rec.sleep_failures)

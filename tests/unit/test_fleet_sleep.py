@@ -62,3 +62,16 @@ def test_two_failures_in_a_row_turn_sleep_off_until_restart_model():
     assert rec.state(0.0).sleep_off
     f.restart("chat")  # r3090ctl restart --model chat: sleep is tried again
     assert (rec.sleep_failures, rec.sleep_off, f.parks_by_sleep("chat")) == (0, False, True)
+
+
+def test_an_engine_that_dies_under_a_sleep_or_a_wake_counts_and_a_refusal_for_room_does_not():
+    rec = ModelRecord()
+    Fleet._count_sleep("chat", rec, SuspendResult(1, "resume", Result.REFUSED, "no room", 0.0, by_sleep=True))
+    assert rec.sleep_failures == 0
+    Fleet._count_sleep(
+        "chat", rec, SuspendResult(2, "suspend", Result.SUSPENDED, "exited", 0.0, by_sleep=True, lost=True)
+    )
+    Fleet._count_sleep(
+        "chat", rec, SuspendResult(3, "resume", Result.REFUSED, "exited", 0.0, by_sleep=True, lost=True)
+    )
+    assert (rec.sleep_failures, rec.sleep_off) == (2, True)

@@ -279,7 +279,12 @@ def test_an_engine_that_dies_asleep_leaves_a_cold_suspension(stage):
     r.engine = ChildSample(pid=API, alive=False, exit_code=-9, tree_pids=(), generation=1)
     r.tick(health=SKIPPED)
     assert r.st.phase is Phase.SUSPENDED and r.st.suspension.cold
-    assert r.st.suspend_last is not None
+    if stage is Stage.SUSPENDED:
+        assert (
+            r.st.suspend_last.request == 1 and not r.st.suspend_last.lost
+        )  # nothing was under way: the sleep's answer stands
+    else:  # the operation under way is answered, as lost under a sleep or a wake: the fleet counts it
+        assert r.st.suspend_last.lost and r.st.suspend_last.by_sleep
 
 
 def test_without_park_by_sleep_a_park_checkpoints_as_before():
