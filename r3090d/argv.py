@@ -14,6 +14,7 @@ from packaging.version import Version
 
 from r3090d import versions
 from r3090d.config import NO_PROFILE, Config, ConfigError
+from r3090d.config.schema import ParkMode
 from r3090d.engineflags import canonical_flag
 
 # When flags appeared and disappeared: (first version that has it, first version without it),
@@ -115,6 +116,10 @@ def _flag_supported(flag: str, version: VllmVersion) -> str | None:
     return None
 
 
+SLEEP_MODE_FLAG = "--enable-sleep-mode"
+SLEEP_ENV = "VLLM_SERVER_DEV_MODE"
+
+
 def build_argv(cfg: Config, version: VllmVersion) -> list[str]:
     """The full command line. Secrets never appear here: the API key goes in the environment."""
     e = cfg.engine
@@ -153,6 +158,8 @@ def build_argv(cfg: Config, version: VllmVersion) -> list[str]:
         # One comma-separated value: vLLM parses it as a single string.
         argv += [ACCESS_LOG_FLAG, ",".join(QUIET_ENDPOINTS)]
     argv += list(e.extra_args)
+    if cfg.park_mode is ParkMode.SLEEP and SLEEP_MODE_FLAG not in e.extra_args:
+        argv.append(SLEEP_MODE_FLAG)  # swap mode parks it by sleep ([[models]].park = "sleep")
     return argv
 
 
@@ -165,6 +172,10 @@ def engine_env(cfg: Config, base: dict[str, str]) -> dict[str, str]:
     if cfg.gpu.required:
         env["CUDA_VISIBLE_DEVICES"] = str(cfg.gpu.index)
     env.update(cfg.engine.env)
+    if cfg.park_mode is ParkMode.SLEEP:
+        # /sleep, /wake_up, /is_sleeping and /pause are vLLM's dev endpoints. Safe here: a swap-mode engine listens on
+        # 127.0.0.1 only, behind the router, which forwards none of them.
+        env[SLEEP_ENV] = "1"
     if cfg.api_key:
         env["VLLM_API_KEY"] = cfg.api_key
     return env

@@ -42,6 +42,7 @@ from r3090d.config.schema import (
     EngineKind,
     EngineListen,
     ModelConfig,
+    ParkMode,
     Profile,
     Spec,
     WatchdogConfig,
@@ -662,12 +663,28 @@ def _validate_models(cfg: Config, path, *, check_files: bool) -> None:
         _validate_profile(cfg, profile, profile_key, path)
         _check_extra_args(m.extra_args, f"{where}.extra_args", profile, profile_key, _owned_flag_fixes_of_model(where), m.kind, f"{where}.kind", path)
         _check_env(m.env, f"{where}.env", path)
+        _check_park(cfg, m, where, path)
         _check_argv_budget(m.extra_args, {**cfg.engine.env, **m.env}, f"{where}.extra_args", f"{where}.env" if m.env else "engine.env", path)
     if not profile_used and cfg.profile != NO_PROFILE and cfg.profile not in resolve_profiles(cfg):
         _validate_profile(cfg, cfg.profile, "profile", path)  # unused by any model, but a typo all the same
     if cfg.swap.max_resident > len(cfg.models):
         raise ConfigError(path, "swap.max_resident", f"is {cfg.swap.max_resident} but only {len(cfg.models)} models are listed",
                           f"set it to at most {len(cfg.models)}")  # fmt: skip
+
+
+def _check_park(cfg: Config, m: ModelConfig, where: str, path) -> None:
+    """A park by sleep is trusted only once the canary has checked the woken engine's answer."""
+    if m.park is not ParkMode.SLEEP:
+        return
+    if m.kind is not EngineKind.GENERATE:
+        raise ConfigError(path, f"{where}.park", f'is "sleep" but {where}.kind is {m.kind.value}: the canary that checks each wake needs a generative model',
+                          f'set {where}.park = "auto"')  # fmt: skip
+    if not cfg.gpu.required:
+        raise ConfigError(path, f"{where}.park", 'is "sleep" but gpu.required is false: vLLM\'s sleep mode moves GPU memory',
+                          f'set {where}.park = "auto" (a drained stop and a cold start without a GPU)')  # fmt: skip
+    if not cfg.canary.enabled:
+        raise ConfigError(path, f"{where}.park", 'is "sleep" but canary.enabled is false: nothing would check the woken engine\'s answer',
+                          f'set canary.enabled = true, or {where}.park = "auto"')  # fmt: skip
 
 
 def _check_model_name(m: ModelConfig, index: int, seen: dict[str, int], path) -> None:

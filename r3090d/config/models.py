@@ -13,7 +13,8 @@ files; this module only lays each entry over the shared settings:
   engines never mix;
 - no exporter (the node has one, the daemon's) and the canary for generative
   models only (an embedding engine refuses a completion);
-- no [[models]] and a default [swap]: the result is a single-engine Config.
+- no [[models]] and a default [swap] but its sleep_timeout; the entry's park: the
+  result is a single-engine Config.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def _engine_config(cfg: Config, index: int, m: ModelConfig) -> Config:
         daemon=daemon,
         canary=canary,
         models=(),
-        swap=SwapConfig(),
+        swap=SwapConfig(sleep_timeout=cfg.swap.sleep_timeout),  # the rest of [swap] is the fleet's
         api_key=m.api_key,
+        park_mode=m.park,
     )

@@ -134,6 +134,15 @@ class EngineConfig:
     uds: str = ""
 
 
+class ParkMode(StrEnum):
+    """How swap mode parks a model's engine to bring another in ([[models]].park)."""
+
+    AUTO = "auto"  # a checkpoint where the card and driver can, else a drained stop
+    SLEEP = "sleep"  # vLLM's sleep mode (level 1); the canary after every wake; a failure falls back to checkpoint or stop
+    CHECKPOINT = "checkpoint"  # as auto
+    STOP = "stop"  # never parked: stopped drained, started cold
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """One [[models]] entry: an engine of its own in swap mode, on its own 127.0.0.1 port."""
@@ -145,6 +154,7 @@ class ModelConfig:
     extra_args: list = opt([], items=str)
     env: dict = opt({}, items=str)  # over engine.env, which every engine shares
     api_key_file: str = opt("", path=True)  # this engine's key (vLLM's VLLM_API_KEY); the router holds it too
+    park: ParkMode = opt(ParkMode.AUTO)
     # Derived, never read from the file:
     api_key: str = field(default="", repr=False)  # read from api_key_file
 
@@ -163,6 +173,7 @@ class SwapConfig:
     host_memory_margin_mib: int = opt(4096, 0, 1 << 30)  # left free by the automatic budget
     max_body_mib: int = opt(32, 1, 4096)  # the router refuses a larger request body
     api_key_file: str = opt("", path=True)  # the router's public key; empty: none (engine.host must be loopback)
+    sleep_timeout: float = opt(60.0, 1, 3600)  # a park by sleep's pause + sleep, or its wake, must answer within this
 
 
 @dataclass(frozen=True)
@@ -358,6 +369,7 @@ class Config:
     # (where the router listens there) from swap.api_key_file.
     api_key: str = field(default="", repr=False)
     warnings: tuple[str, ...] = ()  # one line per deprecated key still in the file
+    park_mode: ParkMode = ParkMode.AUTO  # swap mode: this engine's [[models]].park (r3090d.config.models)
 
     @property
     def swap_mode(self) -> bool:
@@ -391,7 +403,7 @@ class Config:
         return f"unix:{self.engine.uds}" if self.engine.uds else self.engine_url
 
 
-DERIVED_FIELDS = {"source", "instance", "api_key", "warnings", "uds"}
+DERIVED_FIELDS = {"source", "instance", "api_key", "warnings", "uds", "park_mode"}
 
 
 def resolve_profiles(cfg: Config) -> dict[str, Profile]:

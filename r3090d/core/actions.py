@@ -92,6 +92,27 @@ class QueryEngineState:
 
 
 @dataclass(frozen=True)
+class SleepEngine:
+    """Park by vLLM's sleep mode: pause (waiting for what runs), sleep at level 1, confirm /is_sleeping."""
+
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class WakeEngine:
+    """Unpark a sleeping engine: /wake_up then /resume."""
+
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class UnpauseEngine:
+    """A failed sleep: /resume, so that what the paused engine holds runs to its end before the drained stop."""
+
+    timeout_s: float
+
+
+@dataclass(frozen=True)
 class SuspendRecord:
     """The suspension as state_dir/suspended.json keeps it across daemon restarts."""
 

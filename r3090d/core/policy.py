@@ -465,7 +465,8 @@ def _lifecycle(snap: Snapshot, st: PolicyState, cfg: Config, now: float, actions
         return _to(st, Phase.DRAINING, now, restart_reason=snap.stop_cold_requested, cold_after=True, tree_gone_at=None, ready_since=None,
                    old_tree=tuple(sorted(set(snap.child.tree_pids) | ({snap.child.pid} if snap.child.pid else set()))))  # fmt: skip
     if snap.suspend_requested is not None:
-        move = suspension.begin(snap, cfg, now, snap.suspend_requested, st.canary.baseline, baseline_for=st.canary.baseline_for, parked=snap.park)
+        move = suspension.begin(snap, cfg, now, snap.suspend_requested, st.canary.baseline, baseline_for=st.canary.baseline_for, parked=snap.park,
+                                by_sleep=snap.park and snap.park_by_sleep)  # fmt: skip
         return _apply(snap, st, cfg, now, actions, events, move)
     check = canary.step(st.canary, snap, cfg, now, maintenance=st.maintenance)
     st = replace(st, canary=check.state)
@@ -710,6 +711,11 @@ def _apply(snap, st, cfg, now, actions, events, move: suspension.Move) -> Policy
         reason, detail = move.fail
         st = replace(st, suspension=None)
         return _restart(snap, st, cfg, now, actions, events, reason, detail, drain=False, counts=True)
+    if move.stop_cold is not None:
+        # A failed park by sleep: the engine has its scheduler back; stopped drained, as a park that cannot be.
+        actions.append(StopEngine(drain=True, reason=move.stop_cold))
+        return _to(st, Phase.DRAINING, now, suspension=None, restart_reason=move.stop_cold, cold_after=True, tree_gone_at=None, ready_since=None,
+                   old_tree=tuple(sorted(set(snap.child.tree_pids) | ({snap.child.pid} if snap.child.pid else set()))))  # fmt: skip
     if move.start_cold:
         return _start(snap, replace(st, suspension=None), cfg, now, actions, "resume of a suspension without an engine", automatic=False)
     if move.phase is st.phase:

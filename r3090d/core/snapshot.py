@@ -16,7 +16,7 @@ from r3090d.config.schema import CLOCK_EVENT_REASON_NAMES
 from r3090d.core.xid import RecoveryAction
 
 if TYPE_CHECKING:
-    from r3090d.core.suspend_types import SuspendSample
+    from r3090d.core.suspend_types import SleepSample, SuspendSample
     from r3090d.core.vocabulary import RestartKind
     from r3090d.measure.modelinfo import ModelFacts
 
@@ -283,7 +283,9 @@ class Snapshot:
     # (suspend_requested) that is not the operator's; a start brings a COLD engine in; a stop to cold
     # stops a READY one drained and leaves it COLD (its reason here).
     park: bool = False
+    park_by_sleep: bool = False  # the park is by vLLM's sleep mode ([[models]].park = "sleep", not fallen back)
     start_requested: bool = False
     stop_cold_requested: str | None = None
     suspender: SuspendSample | None = None  # the suspend worker's latest operation; None: no suspender
+    sleeper: SleepSample | None = None  # the sleep worker's latest exchange; None: no sleep worker
     process_names: tuple[tuple[int, str], ...] = ()  # (pid, name) of the GPU's processes, read while suspended

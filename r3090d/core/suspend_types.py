@@ -97,3 +97,23 @@ class SuspendSample:
         if self.started_at is None or self.finished_at is None:
             return None
         return self.finished_at - self.started_at
+
+
+class SleepOp(enum.StrEnum):
+    """One of vLLM's sleep-mode exchanges (its dev endpoints), as the sleep worker runs it."""
+
+    SLEEP = "sleep"  # POST /pause?mode=wait, POST /sleep?level=1, GET /is_sleeping
+    WAKE = "wake"  # POST /wake_up, POST /resume
+    UNPAUSE = "unpause"  # POST /resume: a failed sleep gives the engine its scheduler back
+
+
+@dataclass(frozen=True)
+class SleepSample:
+    """The sleep worker's latest exchange with the engine, as the loop sees it."""
+
+    op: SleepOp | None = None  # None: nothing was ever asked
+    in_flight: bool = False
+    started_at: float | None = None  # monotonic, when the exchange was asked for
+    finished_at: float | None = None
+    ok: bool = False  # every call answered 2xx (and, for a sleep, /is_sleeping said true)
+    error: str = ""  # the failed call and why, one line

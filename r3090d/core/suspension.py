@@ -52,14 +52,17 @@ from r3090d.core.actions import (
     SaveSuspension,
     SendCanary,
     SendInferenceProbe,
+    SleepEngine,
     StopEngine,
     SuspendEngine,
     SuspendRecord,
+    UnpauseEngine,
+    WakeEngine,
 )
 from r3090d.core.room import others_on_card, unique_processes
 from r3090d.core.rules import Condition
 from r3090d.core.snapshot import CanaryAnswer, HealthStatus, Snapshot
-from r3090d.core.suspend_types import Outcome, ProcessState, SuspendSample
+from r3090d.core.suspend_types import Outcome, ProcessState, SleepOp, SleepSample, SuspendSample
 from r3090d.core.vocabulary import SUSPEND_PHASES, CanaryPurpose, Phase, RestartReason, Severity
 from r3090d.engineflags import flag_value
 from r3090d.units import GIB, MIB
@@ -80,10 +83,21 @@ class Stage(enum.StrEnum):
     QUERYING = "querying"
     VERIFYING = "verifying"
     CANARY = "canary"  # resumed, /health and the probe passed: the canary must match the baseline taken before the lock
+    # A park by vLLM's sleep mode ([[models]].park = "sleep") in place of the checkpoint and the restore:
+    SLEEPING = "sleeping"  # /pause?mode=wait, /sleep?level=1, /is_sleeping true
+    UNPAUSING = "unpausing"  # the sleep failed: /resume, then a drained stop to cold
+    WAKING = "waking"  # /wake_up, /resume; then verifying and the canary, as after a restore
+
+
+# A sleep's exchange, and a wake's, must answer within swap.sleep_timeout; past it (and this slack, for the
+# worker's own deadline to fire first) the loop gives up on it.
+SLEEP_SLACK_S = 5.0
 
 
 # The engine cannot drain in these: its GPU work is locked (a stop must be fast).
-FROZEN_STAGES = (Stage.CHECKPOINTING, Stage.SUSPENDED, Stage.CHECKING, Stage.RESTORING, Stage.QUERYING)
+# A paused or sleeping engine cannot drain either.
+FROZEN_STAGES = (Stage.CHECKPOINTING, Stage.SUSPENDED, Stage.CHECKING, Stage.RESTORING, Stage.QUERYING, Stage.SLEEPING, Stage.UNPAUSING,
+                 Stage.WAKING)  # fmt: skip
 # /health (and, draining, /metrics) are read in these; in the others nothing asks the engine.
 PROBED_STAGES = (Stage.DRAINING, Stage.BASELINING, Stage.VERIFYING, Stage.CANARY)
 
@@ -107,6 +121,8 @@ class SuspendResult:
     result: Result
     detail: str
     at: float  # monotonic
+    by_sleep: bool = False  # the park or unpark was by vLLM's sleep mode: the fleet counts its failures
+    lost: bool = False  # the engine died under the operation (by sleep: counted as a failed sleep or wake)
 
 
 @dataclass(frozen=True)
@@ -129,10 +145,13 @@ class Suspension:
     baseline_for: tuple = ()  # the canary's request_key the baseline answered: another question at resume drops it
     canary_retried: bool = False  # CANARY: the comparison was sent again after an inconclusive (or no) answer
     parked: bool = False  # swap mode: the arbiter parked it to bring another model in, not the operator's suspension
+    by_sleep: bool = False  # parked by vLLM's sleep mode: the engine runs, its weights in pinned host memory
+    residual: int = 0  # by sleep: the GPU memory the sleeping engine still holds (its CUDA context), read after the sleep
+    residual_read: bool = False
 
     @property
     def phase(self) -> Phase:
-        if self.stage in (Stage.DRAINING, Stage.BASELINING, Stage.CHECKPOINTING):
+        if self.stage in (Stage.DRAINING, Stage.BASELINING, Stage.CHECKPOINTING, Stage.SLEEPING, Stage.UNPAUSING):
             return Phase.SUSPENDING
         if self.stage is Stage.SUSPENDED:
             return Phase.SUSPENDED
@@ -163,6 +182,7 @@ class Move:
     start_cold: bool = False  # start a new engine now (a cold suspension resumed)
     event: Condition | None = None
     compared: canary.Comparison | None = None  # the canary's comparison after a resume, for its counters
+    stop_cold: str | None = None  # a failed sleep: stop the engine drained and leave it cold, for this reason
 
 
 # ------------------------------------------------------------------ checks
@@ -283,21 +303,28 @@ def resume_room(s: Suspension, snap: Snapshot, cfg: Config) -> tuple[bool, str]:
     g = snap.gpu
     margin = cfg.suspend.resume_margin_mib * MIB
     holders = others_on_card(g, snap.child.tree_pids)
-    ok, reason = can_resume(g.memory_free, s.bytes, margin, holders)
+    needed = max(0, s.bytes - s.residual) if s.by_sleep else s.bytes  # a sleeping engine holds its context still
+    ok, reason = can_resume(g.memory_free, needed, margin, holders)
     if ok or g.memory_free is None:
         return ok, reason
     names = dict(snap.process_names)
     who = ", ".join(f"pid {h.pid} ({names.get(h.pid, '?')}, {_gib(h.used_bytes)})" for h in holders)
     who = who or "no process NVML lists (another container?)"
-    return False, f"{_gib(g.memory_free)} free, {_gib(s.bytes)} + {_gib(margin)} margin needed; held by {who}"
+    return False, f"{_gib(g.memory_free)} free, {_gib(needed)} + {_gib(margin)} margin needed; held by {who}"
 
 
 # ------------------------------------------------------------------ stages
 
 
 def begin(snap: Snapshot, cfg: Config, now: float, request: int, baseline: CanaryAnswer | None = None, *, baseline_for: tuple = (),
-          parked: bool = False) -> Move:  # fmt: skip
-    """READY and `r3090ctl suspend` accepted: start draining, or refuse if things changed since the reply."""
+          parked: bool = False, by_sleep: bool = False) -> Move:  # fmt: skip
+    """READY and `r3090ctl suspend` accepted: start draining, or refuse if things changed since the reply.
+
+    `by_sleep`: a park by vLLM's sleep mode, which needs no checkpoint driver nor one GPU process."""
+    if by_sleep:
+        pid, held, _ = target(snap)  # what it holds, where NVML says: its host cost once asleep
+        return Move(Suspension(Stage.DRAINING, now, request, target=pid, bytes=held, baseline=baseline, baseline_for=baseline_for, parked=parked,
+                               by_sleep=True), Phase.SUSPENDING)  # fmt: skip
     refusal = suspend_refusal(cfg, Phase.READY, snap)
     if refusal is not None:
         result = Result.UNAVAILABLE if refusal.unavailable else Result.REFUSED
@@ -329,7 +356,7 @@ def _finished(sample: SuspendSample | None, sent_at: float | None) -> SuspendSam
 
 
 def _result(s: Suspension, result: Result, detail: str, now: float) -> SuspendResult:
-    return SuspendResult(s.request, "resume" if s.resuming else "suspend", result, detail, now)
+    return SuspendResult(s.request, "resume" if s.resuming else "suspend", result, detail, now, by_sleep=s.by_sleep)
 
 
 def _reason(s: Suspension) -> RestartReason:
@@ -362,9 +389,9 @@ def _gone_cold(s: Suspension, snap: Snapshot, now: float) -> Move:
     # swap mode's park or unpark, for ever.
     result = None
     if s.resuming:
-        result = SuspendResult(s.request, "resume", Result.REFUSED, text, now)
+        result = SuspendResult(s.request, "resume", Result.REFUSED, text, now, by_sleep=s.by_sleep, lost=True)
     elif s.stage is not Stage.SUSPENDED:  # draining, baselining, checkpointing, querying: the suspend under way
-        result = SuspendResult(s.request, "suspend", Result.SUSPENDED, text, now)
+        result = SuspendResult(s.request, "suspend", Result.SUSPENDED, text, now, by_sleep=s.by_sleep, lost=True)
     s = _to(s, Stage.SUSPENDED, now, cold=True, since=since, since_wall=s.since_wall if s.since_wall is not None else snap.wall, error=text,
             resuming=False, op_sent_at=None)  # fmt: skip
     actions: list[Action] = [SaveSuspension(s.record(None))]
@@ -385,6 +412,9 @@ def advance(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float
         Stage.QUERYING: _querying,
         Stage.VERIFYING: _verifying,
         Stage.CANARY: _canary,
+        Stage.SLEEPING: _sleeping,
+        Stage.UNPAUSING: _unpausing,
+        Stage.WAKING: _waking,
     }[s.stage]
     return handler(s, snap, cfg, now, grace)
 
@@ -416,6 +446,10 @@ def _baselining(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: f
 
 
 def _lock(s: Suspension, snap: Snapshot, cfg: Config, now: float, frozen: int, actions: tuple[Action, ...] = ()) -> Move:
+    if s.by_sleep:
+        pid, held, _ = target(snap)
+        s = _to(s, Stage.SLEEPING, now, target=pid if pid is not None else s.target, bytes=held or s.bytes, op_sent_at=now, frozen_requests=0)
+        return _stay(s, (*actions, SleepEngine(cfg.swap.sleep_timeout)))
     pid, held, why = target(snap)  # the tree or the card may have changed since the request
     if pid is None:
         return Move(None, Phase.READY, (*actions, ResetProbes()), result=_result(s, Result.REFUSED, why, now))
@@ -490,6 +524,8 @@ def _suspended(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: fl
     actions: tuple[Action, ...] = ()
     if s.cold and (child.alive or child.tree_pids) and not child.stopping:
         actions = (StopEngine(drain=False, reason="suspended engine lost"),)  # what is left of it only holds memory
+    if s.by_sleep and not s.residual_read:
+        s = _residual(s, snap)
     if snap.resume_requested is None:
         return _stay(s, actions)
     s = _to(s, Stage.CHECKING, now, request=snap.resume_requested, resuming=True, error="")
@@ -521,6 +557,8 @@ def _checking(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: flo
             return _stay(s, stop)
         return Move(None, Phase.STARTING, (SaveSuspension(None),), result=_result(s, Result.STARTED_COLD, f"no engine was left: starting one ({text})", now),
                     start_cold=True)  # fmt: skip
+    if s.by_sleep:
+        return _stay(_to(s, Stage.WAKING, now, op_sent_at=now), (WakeEngine(cfg.swap.sleep_timeout),))
     s = _to(s, Stage.RESTORING, now, op_sent_at=now)
     return _stay(s, (ResumeEngine(s.target),)) if s.target is not None else _fail(s, "no process on record to restore", now)
 
@@ -601,6 +639,68 @@ def _canary(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float
     event = Condition("wrong_output", True, Severity.CRITICAL, f"the resumed engine serves wrong output: {text}; it restarts cold", event=True)
     return Move(None, s.phase, (SaveSuspension(None),), result=_result(s, Result.FAILED, f"wrong output after resume: {text}; the engine restarts cold", now),
                 fail=(RestartReason.WRONG_OUTPUT, f"after resume: {text}"), event=event, compared=c)  # fmt: skip
+
+
+# ------------------------------------------------------------------ park by sleep
+
+
+def _slept(sample: SleepSample | None, op: SleepOp, sent_at: float | None) -> SleepSample | None:
+    """The sleep worker's result for the exchange asked at `sent_at`, once it has one."""
+    if sample is None or sent_at is None or sample.op is not op or sample.started_at is None or sample.started_at < sent_at or sample.in_flight:
+        return None
+    return sample
+
+
+def _overdue(s: Suspension, cfg: Config, now: float) -> bool:
+    return now - s.stage_since > cfg.swap.sleep_timeout + SLEEP_SLACK_S
+
+
+def _residual(s: Suspension, snap: Snapshot) -> Suspension:
+    """What the sleeping engine still holds on the card, from the first NVML reading taken after the sleep."""
+    g = snap.gpu
+    if not (g.usable and g.taken_at is not None and g.taken_at >= s.stage_since):
+        return s
+    pid, held, _ = target(snap)
+    return replace(s, residual=held if pid is not None else 0, residual_read=True)
+
+
+def _sleeping(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
+    if _lost(s, snap):
+        return _gone_cold(s, snap, now)
+    done = _slept(snap.sleeper, SleepOp.SLEEP, s.op_sent_at)
+    if done is None and not _overdue(s, cfg, now):
+        return _stay(s)
+    if done is not None and done.ok:
+        s = _to(s, Stage.SUSPENDED, now, since=now, since_wall=snap.wall, error="", op_sent_at=None)
+        return Move(s, Phase.SUSPENDED, (SaveSuspension(s.record(snap.child.pid)), RequestGpuSample()),
+                    result=_result(s, Result.SUSPENDED, f"asleep (level 1), {_gib(s.bytes)} of GPU memory freed", now))  # fmt: skip
+    why = done.error if done is not None else f"no answer within {cfg.swap.sleep_timeout:.0f} s (swap.sleep_timeout)"
+    # The engine is paused (maybe asleep): it gets its scheduler back before the drained stop, so what it holds finishes.
+    return _stay(_to(s, Stage.UNPAUSING, now, op_sent_at=now, error=f"sleep failed: {why}"), (UnpauseEngine(cfg.swap.sleep_timeout),))
+
+
+def _unpausing(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
+    if _lost(s, snap):
+        return _gone_cold(s, snap, now)
+    done = _slept(snap.sleeper, SleepOp.UNPAUSE, s.op_sent_at)
+    if done is None and not _overdue(s, cfg, now):
+        return _stay(s)
+    after = "" if done is not None and done.ok else f"; its /resume failed too ({done.error if done is not None else 'no answer'})"
+    text = f"{s.error}{after}; the engine is stopped drained, to cold"
+    event = Condition("sleep_failed", True, Severity.WARNING, text, event=True)
+    return Move(None, Phase.DRAINING, result=_result(s, Result.FAILED, text, now), stop_cold=f"park by sleep failed: {s.error}", event=event)
+
+
+def _waking(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
+    if _lost(s, snap):
+        return _gone_cold(s, snap, now)
+    done = _slept(snap.sleeper, SleepOp.WAKE, s.op_sent_at)
+    if done is None and not _overdue(s, cfg, now):
+        return _stay(s)
+    if done is not None and done.ok:
+        return Move(_to(s, Stage.VERIFYING, now, error=""), Phase.RESUMING, (ResetProbes(),))
+    why = done.error if done is not None else f"no answer within {cfg.swap.sleep_timeout:.0f} s (swap.sleep_timeout)"
+    return _fail(s, f"wake failed: {why}", now)
 
 
 # ------------------------------------------------------------------ alerts

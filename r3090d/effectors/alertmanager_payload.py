@@ -64,7 +64,7 @@ PREFLIGHT_FAILED = "preflight_failed"
 # an event, and an event never resolves, so one missing here would be re-sent as a
 # firing condition until sync() resolved it.
 EVENT_KEYS = frozenset({
-    "engine_restarted", "suspended_engine_lost", "test",
+    "engine_restarted", "suspended_engine_lost", "sleep_failed", "test",
     "gpu_xid_application", "gpu_xid_row_remap", "gpu_xid_unknown",
     "wrong_output", "canary_start_mismatch", "canary_prompt_unusable",
 })  # fmt: skip

@@ -43,6 +43,7 @@ class Pending:
     requests: int = 0  # suspend/resume requests numbered so far (never cleared)
     # Swap mode, the arbiter's word (r3090d.core.arbiter): the suspend above is a park; a start; a stop to cold.
     park: bool = False
+    park_by_sleep: bool = False  # the park is by vLLM's sleep mode
     start: bool = False
     stop_cold: str | None = None
 
@@ -56,9 +57,9 @@ class Pending:
         self.suspend, self.resume = None, None
         return taken
 
-    def take_swap(self) -> tuple[bool, bool, str | None]:
-        taken = (self.park, self.start, self.stop_cold)
-        self.park, self.start, self.stop_cold = False, False, None
+    def take_swap(self) -> tuple[bool, bool, str | None, bool]:
+        taken = (self.park, self.start, self.stop_cold, self.park_by_sleep)
+        self.park, self.start, self.stop_cold, self.park_by_sleep = False, False, None, False
         return taken
 
     def number(self) -> int:

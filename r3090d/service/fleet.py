@@ -26,6 +26,7 @@ from r3090d import argv as argvmod
 from r3090d import exitcodes
 from r3090d.config import Config
 from r3090d.config.models import engine_configs
+from r3090d.config.schema import ParkMode
 from r3090d.core import arbiter, policy, suspension
 from r3090d.core.actions import Exit, SendAlert
 from r3090d.core.arbiter import ArbiterConfig, Close, ColdStart, EngineView, Park, Residency, StopCold, Unpark
@@ -51,6 +52,7 @@ log = logging.getLogger("r3090d")
 SWAP_POLL_S = 0.1  # the loop's interval while a swap is under way: each stage is timed, and routed at once
 HOST_MEMORY_EVERY_S = 5.0  # how often the automatic host-memory budget is read again
 UNPARK_RETRY_S = 5.0  # a resume refused for room is asked again after this, not at every tick
+SLEEP_FAILURES_OFF = 2  # parks or wakes by sleep failed in a row before the model is parked as park = "auto"
 
 # Phases of an engine's policy as the arbiter sees them.
 _RESIDENCY = {
@@ -83,6 +85,8 @@ class ModelRecord:
 
     gpu_mib: int = 0  # its engine's GPU memory, last seen ready: its cost when parked
     no_checkpoint: bool = False  # its park was undone by the driver, or cannot be done: stopped drained from now on
+    sleep_failures: int = 0  # its parks or wakes by sleep that failed in a row (a wrong answer after a wake counts)
+    sleep_off: bool = False  # SLEEP_FAILURES_OFF in a row: parked as park = "auto" until a daemon restart or restart --model
     park_request: int | None = None  # the number of the park or unpark asked of its engine, until the engine answers it
     unpark_retry_at: float | None = None  # a resume refused for room: not asked again before then
     wanted_at: float | None = None  # brought in by hand (r3090ctl swap or restart): a waiting request, until ready
@@ -103,6 +107,7 @@ class ModelRecord:
             closing=self.closing, leave_decided=self.leave_decided, coming=self.coming, leaving=self.leaving,
             wanted=self.wanted_at is not None, park_request=self.park_request,
             unpark_retry_in=round(retry - now, 1) if retry is not None and retry > now else None, no_checkpoint=self.no_checkpoint,
+            sleep_failures=self.sleep_failures, sleep_off=self.sleep_off,
         )  # fmt: skip
 
 
@@ -284,7 +289,16 @@ class Fleet:
             ))  # fmt: skip
         return tuple(out)
 
+    def parks_by_sleep(self, name: str) -> bool:
+        """Its park = "sleep", and sleep has not failed SLEEP_FAILURES_OFF times in a row."""
+        return self.units[name].cfg.park_mode is ParkMode.SLEEP and not self.models[name].sleep_off
+
     def _can_checkpoint(self, name: str, unit: EngineUnit, snap: Snapshot | None) -> bool:
+        """Whether it can be parked (by checkpoint, or by sleep), or must be stopped drained to leave the card."""
+        if unit.cfg.park_mode is ParkMode.STOP:
+            return False
+        if self.parks_by_sleep(name):
+            return True  # no checkpoint driver needed: vLLM keeps its weights in pinned host memory
         if self.models[name].no_checkpoint or not unit.cfg.gpu.required:
             return False
         if snap is None or unit.st.phase is not Phase.READY:
@@ -352,6 +366,8 @@ class Fleet:
                     rec.park_request = None
                 continue
             rec.park_request = None
+            if last.by_sleep:
+                self._count_sleep(name, rec, last)
             if last.op == "resume" and last.result is Result.REFUSED:
                 rec.unpark_retry_at = now + UNPARK_RETRY_S
                 log.warning("swap: %s cannot come back yet (%s); asked again in %.0f s", name, last.detail, UNPARK_RETRY_S)
@@ -360,6 +376,24 @@ class Fleet:
                     rec.no_checkpoint = True
                 log.warning("swap: %s could not be parked (%s: %s); %s", name, last.result.value, last.detail,
                             "it is stopped drained instead" if rec.no_checkpoint else "the arbiter tries again")  # fmt: skip
+
+    @staticmethod
+    def _count_sleep(name: str, rec: ModelRecord, last: suspension.SuspendResult) -> None:
+        """A park or wake by sleep that failed (it fell back: stopped drained, or restarted cold; or the engine died under
+        it, as vLLM's cumem allocator's double free kills it); two in a row and the
+        model is parked as park = "auto" from then on. One that worked clears the count."""
+        if last.result in (Result.SUSPENDED, Result.RESUMED) and not last.lost:
+            rec.sleep_failures = 0
+            return
+        if last.result is not Result.FAILED and not last.lost:
+            return  # refused for room: nothing was tried
+        rec.sleep_failures += 1
+        what = "park by sleep" if last.op == "suspend" else "wake"
+        log.warning("swap: %s's %s failed (%s); %d in a row", name, what, last.detail, rec.sleep_failures)
+        if rec.sleep_failures >= SLEEP_FAILURES_OFF and not rec.sleep_off:
+            rec.sleep_off = True
+            log.warning("swap: %s: sleep failed %d times in a row: it is parked by checkpoint where the card can, else stopped, until the "
+                        "daemon restarts or r3090ctl restart --model %s", name, rec.sleep_failures, name)  # fmt: skip
 
     def _request(self, move, view: EngineView, now: float) -> bool:
         """Hand a move to its engine's policy (once: a move planned again while under way asks nothing new).
@@ -371,6 +405,7 @@ class Fleet:
                 return False
             pending.suspend = rec.park_request = pending.number()
             pending.park = True
+            pending.park_by_sleep = self.parks_by_sleep(move.name)
             rec.leaving = rec.leave_decided = True
             self.swaps.begin(self.plan.target, move.name, now, parked=True)
         elif isinstance(move, Unpark):
@@ -457,6 +492,9 @@ class Fleet:
         (a start of its own could find the card held by the resident engine, and wait there for ever). None: the
         engine is on the card, and its own policy takes the restart."""
         unit, rec = self.units[name], self.models[name]
+        if rec.sleep_off or rec.sleep_failures:
+            log.info("swap: %s's park by sleep is tried again (r3090ctl restart --model)", name)
+            rec.sleep_off, rec.sleep_failures = False, 0
         where = residency(unit.st)
         if where is Residency.WAITING:
             held = unit.st.gpu_wait.text() if unit.st.gpu_wait is not None else "memory held outside r3090d"

@@ -274,11 +274,14 @@ def next_action(st: PolicyState, snap: Snapshot, cfg: Config) -> str | None:
     if s is not None and st.phase in SUSPEND_PHASES:
         if s.stage is Stage.DRAINING:
             left = s.stage_since + cfg.suspend.drain_timeout - snap.now
-            return f"checkpoint the engine once nothing runs (at the latest in {max(0.0, left):.0f} s after the load balancer's grace)"
+            how = "put the engine to sleep" if s.by_sleep else "checkpoint the engine"
+            return f"{how} once nothing runs (at the latest in {max(0.0, left):.0f} s after the load balancer's grace)"
         if s.stage is Stage.SUSPENDED:
             return f"none until {HOW_TO_RESUME}" + (" (which starts a new engine)" if s.cold else "")
         if s.stage is Stage.VERIFYING:
             return "ready once /health answers 200 and one inference probe passes"
+        if s.stage in (Stage.SLEEPING, Stage.WAKING, Stage.UNPAUSING):
+            return f"wait for vLLM's {s.stage.value} (at most swap.sleep_timeout, {cfg.swap.sleep_timeout:.0f} s)"
         return f"wait for the GPU driver ({s.stage.value})"
     if st.phase is Phase.BACKOFF and st.next_start_at is not None:
         return f"start engine in {max(0.0, st.next_start_at - snap.now):.0f} s"

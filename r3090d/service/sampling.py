@@ -72,7 +72,7 @@ class Sampler:
                 metrics, self.last_metrics_text = self.probe.metrics()
         restart, maintenance, silences = pending.take()
         suspend, resume = pending.take_suspend()
-        park, start, stop_cold = pending.take_swap()
+        park, start, stop_cold, park_by_sleep = pending.take_swap()
         gpu = self.gpu()
         return Snapshot(
             now=now,
@@ -91,9 +91,11 @@ class Sampler:
             suspend_requested=suspend,
             resume_requested=resume,
             park=park,
+            park_by_sleep=park_by_sleep,
             start_requested=start,
             stop_cold_requested=stop_cold,
             suspender=self.suspend.sample() if self.suspend is not None else None,
+            sleeper=self.suspend.sleep_sample() if self.suspend is not None else None,
             # Names for a refused resume or a start waiting for the card ("held by pid N (name)"):
             # read only while the GPU is lent, or held by others.
             process_names=self.suspend.process_names(gpu) if self.suspend is not None and phase in NAMED_HOLDER_PHASES else (),

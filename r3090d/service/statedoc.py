@@ -408,11 +408,15 @@ class ModelFleetState:
     park_request: int | None = None  # the park or unpark asked of its engine and not yet answered
     unpark_retry_in: float | None = None  # seconds until a refused resume is asked again
     no_checkpoint: bool = False  # it cannot be parked here: stopped drained instead
+    sleep_failures: int = 0  # parks or wakes by sleep that failed in a row ([[models]].park = "sleep")
+    sleep_off: bool = False  # two in a row: parked as park = "auto" until a daemon restart or r3090ctl restart --model
 
     def words(self) -> list[str]:
         out = [w for w, on in (("closing (its new requests wait)", self.closing), ("leaving decided", self.leave_decided and not self.closing),
                                ("coming in", self.coming), ("leaving", self.leaving and not self.closing),
                                ("asked for by the operator", self.wanted), ("stopped, not parked, when it leaves", self.no_checkpoint)) if on]  # fmt: skip
+        if self.sleep_off:
+            out.append("sleep failed twice in a row: parked by checkpoint or stopped until r3090ctl restart --model")
         if self.park_request is not None:
             out.append(f"park/unpark request {self.park_request} under way")
         if self.unpark_retry_in is not None:

@@ -37,15 +37,19 @@ from r3090d.core.actions import (
     ResetProbes,
     ResumeEngine,
     SaveSuspension,
+    SleepEngine,
     SuspendEngine,
     SuspendRecord,
+    UnpauseEngine,
+    WakeEngine,
 )
 from r3090d.core.policy import PolicyState
 from r3090d.core.snapshot import CanaryAnswer, ChildSample, GpuSample, Snapshot
-from r3090d.core.suspend_types import Op, SuspendSample
+from r3090d.core.suspend_types import Op, SleepOp, SleepSample, SuspendSample
 from r3090d.core.suspension import HOW_TO_RESUME, Result, Stage, SuspendResult
 from r3090d.core.vocabulary import SUSPEND_PHASES
 from r3090d.effectors.launcher import LauncherChannel
+from r3090d.effectors.sleeper import Sleeper
 from r3090d.effectors.suspender import Suspender
 from r3090d.effectors.suspender_worker import Command
 from r3090d.service.baselines import answer_from_json, answer_to_json
@@ -85,12 +89,14 @@ class SuspendService:
     wake: threading.Event
     launcher: Callable[[], LauncherChannel | None]  # the running engine's launcher, which makes the driver calls
     suspender: Suspender = field(init=False)
+    sleeper: Sleeper = field(init=False)  # a park by vLLM's sleep mode (swap mode, [[models]].park = "sleep")
     _queued: Command | None = field(default=None, init=False)
     _logged_stage: Stage | None = field(default=None, init=False)
     _logged_last: SuspendResult | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.suspender = Suspender(deadline_s=self.cfg.suspend.operation_timeout, wake=self.wake, launcher=self.launcher)
+        self.sleeper = Sleeper(lambda: self.cfg.engine_url, self.cfg.api_key, self.wake)
 
     @property
     def path(self) -> Path:
@@ -123,6 +129,20 @@ class SuspendService:
             self._start(Command(Op.STATE, action.pid))
         elif isinstance(action, SaveSuspension):
             self.save(action.record, child)
+        elif isinstance(action, SleepEngine | WakeEngine | UnpauseEngine):
+            self._sleep_op(action)
+
+    def sleep_sample(self) -> SleepSample:
+        return self.sleeper.sample()
+
+    def _sleep_op(self, action: SleepEngine | WakeEngine | UnpauseEngine) -> None:
+        op = {SleepEngine: SleepOp.SLEEP, WakeEngine: SleepOp.WAKE, UnpauseEngine: SleepOp.UNPAUSE}[type(action)]
+        words = {SleepOp.SLEEP: "parking the engine by sleep: pause (waiting for what runs), sleep level 1",
+                 SleepOp.WAKE: "waking the sleeping engine: wake_up, resume",
+                 SleepOp.UNPAUSE: "the sleep failed: resuming the paused engine before its drained stop"}  # fmt: skip
+        log.log(logging.WARNING if op is SleepOp.UNPAUSE else logging.INFO, "%s", words[op])
+        if not self.sleeper.start(op, action.timeout_s):
+            log.warning("the sleep worker is busy with an earlier exchange: %s is not sent (its deadline answers for it)", op.value)
 
     def _start(self, command: Command) -> None:
         if not self.suspender.start(command):

@@ -19,9 +19,10 @@ from r3090d.core.vocabulary import Phase
 from r3090d.service.statedoc import SWAP_BUCKETS, Histogram, SwapProgress, SwapRecord
 
 # Where the time of a tick goes, by the engine's phase and suspension stage.
-_OUTGOING = {Stage.DRAINING: "drain_s", Stage.BASELINING: "drain_s", Stage.CHECKPOINTING: "checkpoint_s", Stage.QUERYING: "checkpoint_s"}
+_OUTGOING = {Stage.DRAINING: "drain_s", Stage.BASELINING: "drain_s", Stage.CHECKPOINTING: "checkpoint_s", Stage.QUERYING: "checkpoint_s",
+             Stage.SLEEPING: "checkpoint_s", Stage.UNPAUSING: "stop_s"}  # fmt: skip
 _INCOMING = {Stage.CHECKING: "restore_s", Stage.RESTORING: "restore_s", Stage.QUERYING: "restore_s", Stage.VERIFYING: "canary_s",
-             Stage.CANARY: "canary_s"}  # fmt: skip
+             Stage.CANARY: "canary_s", Stage.WAKING: "restore_s"}  # fmt: skip
 _STAGE_WORDS = {"drain_s": "draining", "checkpoint_s": "parking", "stop_s": "stopping", "restore_s": "restoring",
                 "start_s": "starting", "canary_s": "checking"}  # fmt: skip
 

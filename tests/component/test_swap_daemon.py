@@ -47,9 +47,9 @@ def write_atomically(path: Path, data) -> None:
 
 
 def swap_config(tmp: Path, engine_python: str, runtime_dir: Path, *, models=("alpha", "beta"), swap=None, gpu=True, extra=None,
-                kinds=None, watchdog=None, listen=None) -> tuple[Path, int, int]:  # fmt: skip
-    """A swap-mode config: one [[models]] entry per name, each a directory of its own (`kinds`: name -> kind).
-    (path, router port, exporter port)."""
+                kinds=None, watchdog=None, listen=None, park=None, model_args=None) -> tuple[Path, int, int]:  # fmt: skip
+    """A swap-mode config: one [[models]] entry per name, each a directory of its own (`kinds`: name -> kind; `park`:
+    name -> park; `model_args`: name -> the double's extra flags). (path, router port, exporter port)."""
     port, exporter = free_port(), free_port()
     lines = ['profile = "none"', "[engine]", f"python = {toml_value(engine_python)}", 'host = "127.0.0.1"', f"port = {port}",
              "shutdown_timeout = 5", "startup_timeout = 60"] + ([f"listen = {toml_value(listen)}"] if listen else [])  # fmt: skip
@@ -58,7 +58,9 @@ def swap_config(tmp: Path, engine_python: str, runtime_dir: Path, *, models=("al
         model.mkdir(exist_ok=True)
         (model / "config.json").write_text("{}")
         lines += ["[[models]]", f"name = {toml_value(name)}", f"model = {toml_value(str(model))}",
-                  f"extra_args = {toml_value(['--fake-token-delay', str(TOKEN_DELAY)])}"]  # fmt: skip
+                  f"extra_args = {toml_value(['--fake-token-delay', str(TOKEN_DELAY), *(model_args or {}).get(name, ())])}"]  # fmt: skip
+        if (park or {}).get(name):
+            lines.append(f"park = {toml_value(park[name])}")
         if (kinds or {}).get(name):
             lines.append(f"kind = {toml_value(kinds[name])}")
     sections = {
@@ -404,3 +406,110 @@ def test_a_cold_started_model_is_routed_only_after_its_first_canary(swap_rig):
     completions = [e for e in log if e["method"] == "POST" and e["path"] == "/v1/completions"]
     assert completions and "logprobs" in json.dumps(completions[0].get("body")), completions[:2]  # the canary went first
     assert st["swap"]["last"]["canary_s"] is not None
+
+
+# ------------------------------------------------------------------ park by sleep ([[models]].park = "sleep")
+
+SLEEPERS = {"alpha": "sleep", "beta": "sleep"}
+
+
+def fake_state(r: SwapRig, name: str) -> dict:
+    """The double's own account of its engine (its sleep section: sleeps, wakes, faults)."""
+    port = r.model(r.proc.state(), name)["port"]
+    return httpx.get(f"http://127.0.0.1:{port}/fake/state", timeout=5.0, trust_env=False).json()
+
+
+def checkpoint_calls(tmp: Path) -> list[str]:
+    log = tmp / "calls.jsonl"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_a_swap_parks_by_sleep_and_the_woken_engine_is_routed_once_its_canary_matches(swap_rig, tmp_path):
+    r = swap_rig(park=SLEEPERS)
+    assert r.complete("alpha").status_code == 200  # alpha comes in cold
+    r.wait_model("alpha", "ready")
+    r.proc.wait_for(lambda s: r.model(s, "alpha")["canary"]["baseline_tokens"], BOUND, "alpha's canary baseline")
+    alpha_pid = r.model(r.proc.state(), "alpha")["engine"]["pid"]
+
+    beta = r.complete("beta")  # alpha sleeps, beta starts cold
+    assert beta.status_code == 200, beta.text
+    st = r.wait_model("alpha", "parked")
+    alpha = r.model(st, "alpha")
+    assert alpha["engine"]["pid"] == alpha_pid, "a sleeping engine keeps its process"
+    assert alpha["host_bytes"] > 0  # its weights in pinned host memory count in the host budget
+    sleep = fake_state(r, "alpha")["sleep"]
+    assert (sleep["enabled"], sleep["dev_mode"], sleep["is_sleeping"], sleep["sleeps"]) == (True, True, True, 1), sleep
+
+    back = r.complete("alpha")  # beta sleeps, alpha wakes: routed only once its canary gave the known answer
+    assert back.status_code == 200, back.text
+    st = r.wait_model("alpha", "ready")
+    alpha = r.model(st, "alpha")
+    assert alpha["engine"]["pid"] == alpha_pid and alpha["restarts"]["total"] == 0
+    assert alpha["canary"]["checks"] >= 1 and alpha["canary"]["last_verdict"] == "match", alpha["canary"]
+    assert r.model(st, "beta")["residency"] == "parked" and fake_state(r, "beta")["sleep"]["is_sleeping"]
+    assert not fake_state(r, "alpha")["sleep"]["is_sleeping"]
+    assert [r.model(st, m)["restarts"]["total"] for m in ("alpha", "beta")] == [0, 0]
+    assert checkpoint_calls(tmp_path) == [], "a park by sleep asks nothing of the checkpoint driver"
+    log = r.proc.log()
+    assert "parking the engine by sleep" in log and "waking the sleeping engine" in log
+    assert "Traceback" not in log
+
+
+def test_a_wake_that_corrupts_the_weights_is_caught_by_the_canary_and_the_engine_restarts_cold(swap_rig):
+    r = swap_rig(park=SLEEPERS, model_args={"alpha": ["--fake-wake-corrupts"]})
+    assert r.complete("alpha").status_code == 200
+    r.wait_model("alpha", "ready")
+    r.proc.wait_for(lambda s: r.model(s, "alpha")["canary"]["baseline_tokens"], BOUND, "alpha's canary baseline")
+    alpha_pid = r.model(r.proc.state(), "alpha")["engine"]["pid"]
+    assert r.complete("beta").status_code == 200  # alpha sleeps
+    r.wait_model("alpha", "parked")
+
+    back = r.complete("alpha")  # woken with changed weights: the canary sees it, alpha restarts cold and serves
+    assert back.status_code == 200, back.text
+    st = r.wait_model("alpha", "ready")
+    alpha = r.model(st, "alpha")
+    assert alpha["engine"]["pid"] != alpha_pid, "the corrupted engine was replaced"
+    assert alpha["restarts"]["by_reason"].get("wrong_output") == 1, alpha["restarts"]
+    assert alpha["fleet"]["sleep_failures"] == 1 and not alpha["fleet"]["sleep_off"], alpha["fleet"]
+    assert fake_state(r, "alpha")["sleep"]["corrupt_wakes"] == 0  # the new engine has never been woken
+    log = r.proc.log()
+    assert "swap: alpha's wake failed (wrong output after resume" in log and "1 in a row" in log, log
+    assert "Traceback" not in log
+
+
+def test_a_sleep_that_hangs_falls_back_to_a_drained_stop_and_nothing_is_lost(swap_rig):
+    r = swap_rig(park=SLEEPERS, model_args={"alpha": ["--fake-sleep-hangs"]}, swap={"sleep_timeout": 3.0})
+    assert r.complete("alpha").status_code == 200
+    r.wait_model("alpha", "ready")
+    r.proc.wait_for(lambda s: r.model(s, "alpha")["canary"]["baseline_tokens"], BOUND, "alpha's canary baseline")
+    stream = Stream(r.url, "alpha", STREAM_TOKENS)  # runs through the pause: /pause?mode=wait lets it finish
+    wait_until(lambda: stream.chunks, BOUND, what="the stream's first token")
+    beta = r.complete("beta")  # alpha's sleep hangs: past swap.sleep_timeout it is resumed and stopped drained
+    assert beta.status_code == 200, beta.text
+    stream.thread.join(BOUND)
+    assert (stream.finish, stream.error, len(stream.chunks)) == ("length", None, STREAM_TOKENS)
+    st = r.wait_model("alpha", "cold")
+    assert r.model(st, "alpha")["fleet"]["sleep_failures"] == 1
+    log = r.proc.log()
+    assert "swap: alpha's park by sleep failed (sleep failed: " in log and "the engine is stopped drained, to cold" in log, log
+    again = r.complete("alpha")  # started cold, beta parked by sleep
+    assert again.status_code == 200, again.text
+    assert "Traceback" not in r.proc.log()
+
+
+def test_a_wake_that_answers_500_restarts_the_engine_cold_and_its_request_is_served(swap_rig):
+    r = swap_rig(park=SLEEPERS, model_args={"alpha": ["--fake-wake-500"]})
+    assert r.complete("alpha").status_code == 200
+    r.wait_model("alpha", "ready")
+    r.proc.wait_for(lambda s: r.model(s, "alpha")["canary"]["baseline_tokens"], BOUND, "alpha's canary baseline")
+    assert r.complete("beta").status_code == 200  # alpha sleeps
+    r.wait_model("alpha", "parked")
+    back = r.complete("alpha")  # its /wake_up answers 500: restarted cold, the request waits for the new engine
+    assert back.status_code == 200, back.text
+    st = r.wait_model("alpha", "ready")
+    alpha = r.model(st, "alpha")
+    assert alpha["restarts"]["by_reason"].get("resume_failed") == 1, alpha["restarts"]
+    assert alpha["fleet"]["sleep_failures"] == 1
+    log = r.proc.log()
+    assert "swap: alpha's wake failed (wake failed: POST /wake_up: HTTP 500" in log, log
+    assert "Traceback" not in log

@@ -490,3 +490,51 @@ def test_config_check_names_the_model_entry_of_an_error(tmp_path, fake_engine_py
     assert done.returncode == exitcodes.CONFIG, done.stdout + done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert f"{path}: models[1].extra_args[0]: --max-model-len 8192 is above the model's context limit of 4096" in done.stderr
+
+
+# ------------------------------------------------------------------ park
+
+
+def test_park_defaults_to_auto_and_sleep_adds_the_flag_and_dev_mode_only_where_asked():
+    plain = engine_configs(load(swap_doc()))
+    assert {c.park_mode for c in plain.values()} == {configmod.schema.ParkMode.AUTO}
+    for c in plain.values():
+        assert argvmod.SLEEP_MODE_FLAG not in argvmod.build_argv(c, argvmod.parse_version("0.32.0"))
+        assert argvmod.SLEEP_ENV not in argvmod.engine_env(c, {})
+    data = swap_doc(swap={"sleep_timeout": 30}, gpu={"required": True})
+    data["models"][0]["park"] = "sleep"
+    data["models"][1]["park"] = "stop"
+    by_name = engine_configs(load(data))
+    chat, embed = by_name["chat"], by_name["embed"]
+    assert (chat.park_mode.value, embed.park_mode.value) == ("sleep", "stop")
+    assert chat.swap.sleep_timeout == 30.0
+    assert argvmod.build_argv(chat, argvmod.parse_version("0.32.0")).count(argvmod.SLEEP_MODE_FLAG) == 1
+    assert argvmod.engine_env(chat, {})[argvmod.SLEEP_ENV] == "1"
+    assert argvmod.SLEEP_MODE_FLAG not in argvmod.build_argv(embed, argvmod.parse_version("0.32.0"))
+    assert chat.engine.host == "127.0.0.1"  # the dev endpoints never on the public address
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "problem", "fix"),
+    [
+        ({"park": "nap"}, "models[0].park", "'nap' is not one of", "use one of auto, sleep, checkpoint, stop"),
+        ({"park": "sleep", "kind": "embed"}, "models[0].park", "the canary that checks each wake", 'set models[0].park = "auto"'),
+    ],
+)
+def test_a_wrong_park_is_one_line(change, key, problem, fix):
+    data = swap_doc(gpu={"required": True})
+    data["models"][0].update(change)
+    refused(data, key=key, problem=problem, fix=fix)
+
+
+def test_park_by_sleep_needs_the_canary_and_a_gpu():
+    data = swap_doc(canary={"enabled": False}, gpu={"required": True})
+    data["models"][0]["park"] = "sleep"
+    refused(data, key="models[0].park", problem="canary.enabled is false", fix="set canary.enabled = true")
+    data = swap_doc()  # gpu.required = false
+    data["models"][0]["park"] = "sleep"
+    refused(data, key="models[0].park", problem="gpu.required is false", fix='set models[0].park = "auto"')
+
+
+def test_a_wrong_sleep_timeout_is_one_line():
+    refused(swap_doc(swap={"sleep_timeout": 0}), key="swap.sleep_timeout", fix="")
