@@ -373,12 +373,12 @@ class SimUnit:
                 metrics = self._metrics()
         restart, maintenance, silences = self.pending.take()
         suspend, resume = self.pending.take_suspend()
-        park, start, stop_cold = self.pending.take_swap()
+        park, start, stop_cold, park_by_sleep = self.pending.take_swap()
         snap = Snapshot(
             now=now, wall=now, child=child, health=health, metrics=metrics, gpu=self.world.card.sample(), inference=self.inference,
             canary=self.canary, shutdown_requested=shutdown, restart_requested=restart, maintenance=maintenance, silences=silences,
             suspend_requested=suspend, resume_requested=resume, park=park, start_requested=start, stop_cold_requested=stop_cold,
-            suspender=self.worker.sample, process_names=(),
+            park_by_sleep=park_by_sleep, suspender=self.worker.sample, process_names=(),
         )  # fmt: skip
         self.last_snap = snap
         return snap
