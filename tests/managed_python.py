@@ -55,3 +55,9 @@ def make_managed_python(dest: Path, *, ensurepip: bool = True, pip: bool = False
         site.mkdir(parents=True, exist_ok=True)
         (site / "pip").symlink_to(Path(pip_package.__file__).parent)
     return bin_dir
+
+
+# What `make dev` installs, as the Makefile's recipe writes it.
+EXTRAS = "'.[test,bench,plot]'"
+# Settings of the caller's that would change what make does: the tests run make without them.
+CALLER_SETTINGS = ("PYTHON", "PYTEST", "VENV", "VENV_BASE_PYTHON", "TINY_MODEL_PYTHON", "MAKEFLAGS", "MAKELEVEL", "MFLAGS")

@@ -655,6 +655,25 @@ def _overdue(s: Suspension, cfg: Config, now: float) -> bool:
     return now - s.stage_since > cfg.swap.sleep_timeout + SLEEP_SLACK_S
 
 
+@dataclass(frozen=True)
+class _Exchange:
+    """How a sleep worker's exchange stands: `wait` (no answer yet, not overdue), else done, ok or why not."""
+
+    wait: bool
+    ok: bool = False
+    why: str = ""
+
+
+def _exchange(s: Suspension, snap: Snapshot, cfg: Config, now: float, op: SleepOp) -> _Exchange:
+    done = _slept(snap.sleeper, op, s.op_sent_at)
+    if done is None and not _overdue(s, cfg, now):
+        return _Exchange(wait=True)
+    if done is not None and done.ok:
+        return _Exchange(wait=False, ok=True)
+    why = done.error if done is not None else f"no answer within {cfg.swap.sleep_timeout:.0f} s (swap.sleep_timeout)"
+    return _Exchange(wait=False, why=why)
+
+
 def _residual(s: Suspension, snap: Snapshot) -> Suspension:
     """What the sleeping engine still holds on the card, from the first NVML reading taken after the sleep."""
     g = snap.gpu
@@ -667,25 +686,24 @@ def _residual(s: Suspension, snap: Snapshot) -> Suspension:
 def _sleeping(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
     if _lost(s, snap):
         return _gone_cold(s, snap, now)
-    done = _slept(snap.sleeper, SleepOp.SLEEP, s.op_sent_at)
-    if done is None and not _overdue(s, cfg, now):
+    x = _exchange(s, snap, cfg, now, SleepOp.SLEEP)
+    if x.wait:
         return _stay(s)
-    if done is not None and done.ok:
+    if x.ok:
         s = _to(s, Stage.SUSPENDED, now, since=now, since_wall=snap.wall, error="", op_sent_at=None)
         return Move(s, Phase.SUSPENDED, (SaveSuspension(s.record(snap.child.pid)), RequestGpuSample()),
                     result=_result(s, Result.SUSPENDED, f"asleep (level 1), {_gib(s.bytes)} of GPU memory freed", now))  # fmt: skip
-    why = done.error if done is not None else f"no answer within {cfg.swap.sleep_timeout:.0f} s (swap.sleep_timeout)"
     # The engine is paused (maybe asleep): it gets its scheduler back before the drained stop, so what it holds finishes.
-    return _stay(_to(s, Stage.UNPAUSING, now, op_sent_at=now, error=f"sleep failed: {why}"), (UnpauseEngine(cfg.swap.sleep_timeout),))
+    return _stay(_to(s, Stage.UNPAUSING, now, op_sent_at=now, error=f"sleep failed: {x.why}"), (UnpauseEngine(cfg.swap.sleep_timeout),))
 
 
 def _unpausing(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
     if _lost(s, snap):
         return _gone_cold(s, snap, now)
-    done = _slept(snap.sleeper, SleepOp.UNPAUSE, s.op_sent_at)
-    if done is None and not _overdue(s, cfg, now):
+    x = _exchange(s, snap, cfg, now, SleepOp.UNPAUSE)
+    if x.wait:
         return _stay(s)
-    after = "" if done is not None and done.ok else f"; its /resume failed too ({done.error if done is not None else 'no answer'})"
+    after = "" if x.ok else f"; its /resume failed too ({x.why})"
     text = f"{s.error}{after}; the engine is stopped drained, to cold"
     event = Condition("sleep_failed", True, Severity.WARNING, text, event=True)
     return Move(None, Phase.DRAINING, result=_result(s, Result.FAILED, text, now), stop_cold=f"park by sleep failed: {s.error}", event=event)
@@ -694,13 +712,12 @@ def _unpausing(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: fl
 def _waking(s: Suspension, snap: Snapshot, cfg: Config, now: float, grace: float) -> Move:
     if _lost(s, snap):
         return _gone_cold(s, snap, now)
-    done = _slept(snap.sleeper, SleepOp.WAKE, s.op_sent_at)
-    if done is None and not _overdue(s, cfg, now):
+    x = _exchange(s, snap, cfg, now, SleepOp.WAKE)
+    if x.wait:
         return _stay(s)
-    if done is not None and done.ok:
+    if x.ok:
         return Move(_to(s, Stage.VERIFYING, now, error=""), Phase.RESUMING, (ResetProbes(),))
-    why = done.error if done is not None else f"no answer within {cfg.swap.sleep_timeout:.0f} s (swap.sleep_timeout)"
-    return _fail(s, f"wake failed: {why}", now)
+    return _fail(s, f"wake failed: {x.why}", now)
 
 
 # ------------------------------------------------------------------ alerts

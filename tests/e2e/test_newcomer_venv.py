@@ -20,21 +20,10 @@ from pathlib import Path
 import pytest
 
 from tests.checkout import copy_checkout
-from tests.managed_python import make_managed_python
+from tests.managed_python import CALLER_SETTINGS, EXTRAS, make_managed_python
 
 pytestmark = pytest.mark.vllm
 
-EXTRAS = "'.[test,bench,plot]'"
-CALLER_SETTINGS = (
-    "PYTHON",
-    "PYTEST",
-    "VENV",
-    "VENV_BASE_PYTHON",
-    "TINY_MODEL_PYTHON",
-    "MAKEFLAGS",
-    "MAKELEVEL",
-    "MFLAGS",
-)
 
 
 class Newcomer:

@@ -17,21 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.managed_python import make_managed_python
+from tests.managed_python import CALLER_SETTINGS, EXTRAS, make_managed_python
 
 REPO = Path(__file__).resolve().parents[2]
-EXTRAS = "'.[test,bench,plot]'"
-# Settings of the caller's that would change what make does.
-CALLER_SETTINGS = (
-    "PYTHON",
-    "PYTEST",
-    "VENV",
-    "VENV_BASE_PYTHON",
-    "TINY_MODEL_PYTHON",
-    "MAKEFLAGS",
-    "MAKELEVEL",
-    "MFLAGS",
-)
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 
