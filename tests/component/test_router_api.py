@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from r3090d.router.link import EngineState, ModelKind
+from tests import openai_client
 from tests.component import test_router as harness
 from tests.component.test_router import (
     PUBLIC_KEY,
@@ -53,32 +54,26 @@ def test_the_openai_client_is_served_through_the_router(start_router, link, doub
     link.send(*all_ready(doubles))
     r = start_router(api_key=PUBLIC_KEY)
     wait_until(lambda: http().get(r.url + "/healthz").status_code == 200, 10, what="the router linked")
-    client = openai.OpenAI(base_url=r.url + "/v1", api_key=PUBLIC_KEY, max_retries=0, timeout=30)
+    openai_client.exercise(r.url + "/v1", PUBLIC_KEY, chat="chat", coder="coder", embed="search", listed=["chat", "coder", "search"])
 
-    text = client.completions.create(model="chat", prompt="hello there", max_tokens=4)
-    assert text.object == "text_completion" and text.model == "chat" and text.choices[0].text
-    chat = client.chat.completions.create(
-        model="coder", messages=[{"role": "user", "content": "hi"}], max_tokens=3
-    )
-    assert chat.object == "chat.completion" and chat.choices[0].message.content
-    streamed = client.completions.create(model="chat", prompt="go", max_tokens=5, stream=True,
-                                         extra_body={"ignore_eos": True})  # fmt: skip
-    assert "".join(c.choices[0].text for c in streamed if c.choices)  # every chunk parsed, the stream ended
-    chat_stream = client.chat.completions.create(model="coder", messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=5, stream=True)  # fmt: skip
-    deltas = [c.choices[0].delta.content for c in chat_stream if c.choices]
-    assert "".join(d for d in deltas if d)
-    embedded = client.embeddings.create(model="search", input=["find me", "and me"])
-    assert [len(e.embedding) for e in embedded.data] == [16, 16]
-    assert [m.id for m in client.models.list()] == ["chat", "coder", "search"]
 
-    with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="gpt-17", prompt="x", max_tokens=1)
-    wrong = openai.OpenAI(base_url=r.url + "/v1", api_key="not-the-key", max_retries=0, timeout=30)
-    with pytest.raises(openai.AuthenticationError):
-        wrong.completions.create(model="chat", prompt="x", max_tokens=1)
-    with pytest.raises(openai.AuthenticationError):
-        wrong.models.list()
+def test_the_openai_clients_own_retry_rides_out_a_swap(start_router, link, doubles):
+    """A client whose timeout is shorter than the swap: the SDK gives its first try up and sends it again. The router
+    forgets the wait the client left, and serves the retry once the model is routable."""
+    link.send(entry("chat", doubles["chat"], routable=False, state=EngineState.STARTING), entry("coder", doubles["coder"], key=UPSTREAM_KEY))
+    r = start_router(api_key=PUBLIC_KEY)
+    link.wait_demand("chat", waiting=0)
+    client = openai.OpenAI(base_url=r.url + "/v1", api_key=PUBLIC_KEY, max_retries=4, timeout=1.0)
+    thread, result = in_thread(client.completions.create, model="chat", prompt="hello there", max_tokens=3)
+    first = link.wait_demand("chat", waiting=1, timeout=10)
+    # The first try left at its timeout; the one waiting now came after it: the SDK's retry, and only it.
+    link.wait_demand("chat", waiting=1, timeout=20, check=lambda d: d.oldest_waiting_at > first.oldest_waiting_at)
+    assert thread.is_alive() and not result
+    link.send(entry("chat", doubles["chat"], state=EngineState.READY), entry("coder", doubles["coder"], key=UPSTREAM_KEY))
+    thread.join(30)
+    assert "error" not in result, result.get("error")
+    assert result["value"].model == "chat" and result["value"].choices[0].text
+    link.wait_demand("chat", waiting=0, inflight=0)
 
 
 # ----------------------------------------------------------------- the API key, as vLLM checks it
