@@ -41,9 +41,11 @@ _CALLS: dict[SleepOp, tuple[tuple[str, str], ...]] = {
 
 class Sleeper:
     def __init__(
-        self, base_url: Callable[[], str], api_key: str, wake: threading.Event | None, clock=time.monotonic
-    ):
+        self, base_url: Callable[[], str], api_key: str, wake: threading.Event | None, clock=time.monotonic,
+        uds: Callable[[], str] = lambda: "",
+    ):  # fmt: skip
         self._base_url = base_url
+        self._uds = uds  # the engine's unix socket, where it serves on one (engine.listen = "uds"); "": TCP
         self._api_key = api_key
         self._wake = wake
         self._clock = clock
@@ -80,7 +82,7 @@ class Sleeper:
     def _exchange(self, op: SleepOp, deadline: float) -> tuple[bool, str]:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         base = self._base_url()
-        with engine_client() as client:
+        with engine_client(uds=self._uds()) as client:
             for method, path in _CALLS[op]:
                 left = deadline - self._clock()
                 if left <= 0:

@@ -96,7 +96,7 @@ class SuspendService:
 
     def __post_init__(self) -> None:
         self.suspender = Suspender(deadline_s=self.cfg.suspend.operation_timeout, wake=self.wake, launcher=self.launcher)
-        self.sleeper = Sleeper(lambda: self.cfg.engine_url, self.cfg.api_key, self.wake)
+        self.sleeper = Sleeper(lambda: self.cfg.engine_url, self.cfg.api_key, self.wake, uds=lambda: self.cfg.engine.uds or "")
 
     @property
     def path(self) -> Path:

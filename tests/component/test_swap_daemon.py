@@ -415,8 +415,7 @@ SLEEPERS = {"alpha": "sleep", "beta": "sleep"}
 
 def fake_state(r: SwapRig, name: str) -> dict:
     """The double's own account of its engine (its sleep section: sleeps, wakes, faults)."""
-    port = r.model(r.proc.state(), name)["port"]
-    return httpx.get(f"http://127.0.0.1:{port}/fake/state", timeout=5.0, trust_env=False).json()
+    return r.engine_get(r.proc.state(), name, "/fake/state").json()
 
 
 def checkpoint_calls(tmp: Path) -> list[str]:
