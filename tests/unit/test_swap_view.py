@@ -450,14 +450,14 @@ def damaged_swap_documents(draw) -> dict:
     if isinstance(models, list) and models and draw(st.booleans()):
         m = draw(st.sampled_from(models))
         if isinstance(m, dict):
-            m[draw(st.sampled_from([*sorted(m), "new_field"]))] = draw(VALUES)
+            m[draw(st.sampled_from([*sorted(m, key=str), "new_field"]))] = draw(VALUES)
     swap = doc.get("swap")
     if isinstance(swap, dict) and draw(st.booleans()):
         target = swap.get(draw(st.sampled_from(["router", "last", "in_progress", "latency"])))
         if isinstance(target, dict) and target:
-            target[draw(st.sampled_from(sorted(target)))] = draw(VALUES)
+            target[draw(st.sampled_from(sorted(target, key=str)))] = draw(VALUES)
         else:
-            swap[draw(st.sampled_from([*sorted(swap), "new_field"]))] = draw(VALUES)
+            swap[draw(st.sampled_from([*sorted(swap, key=str), "new_field"]))] = draw(VALUES)  # keys of any type, sorted as text
     return doc
 
 
